@@ -1,0 +1,34 @@
+# Two commands: `make demo` (main job) and `make test`. Both create .venv on first use.
+# On a CPU machine torch is pinned to the local 2.13.0 CPU wheel before anything else is
+# installed, so pip never pulls a CUDA build. GPU users: `make demo TORCH_SPEC=torch` (or
+# install the torch build they want into .venv first; an importable torch is kept).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+DEMO_SECONDS ?= 60
+
+.PHONY: install demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m mode.demo --seconds $(DEMO_SECONDS)
+
+test: install
+	$(PY) -m pytest -q --durations=15
+
+lint: install
+	$(VENV)/bin/ruff check mode tests benchmarks
+
+bench: install
+	$(PY) benchmarks/bench_blocks.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,57 @@
+"""Shared benchmark helpers: timing (warm-up + median), environment, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def median_time(fn: Callable[[], object], warmup: int = 2, repeats: int = 7) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def environment() -> dict:
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def write_json(name: str, payload: dict, label: str | None = None) -> Path:
+    """Write ``results/<name>[-<label>].json`` with the environment attached."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / (f"{name}-{label}.json" if label else f"{name}.json")
+    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
+    return path
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format spec)."""
+    widths = [max(len(h), 10) for _, h, _ in columns]
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths, strict=True)))
+    for r in rows:
+        cells = [format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns]
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))

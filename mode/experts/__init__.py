@@ -1,0 +1,1 @@
+"""Experts: how routed tokens are computed (permutation, grouped GEMM, expert MLPs, MoE layers)."""

@@ -1,0 +1,126 @@
+"""Grouped GEMM backends: ``gmm(x [N, K], w [E, K, M], counts [E]) -> [N, M]``.
+
+Rows of ``x`` are sorted by expert: rows ``offsets[e-1]:offsets[e]`` (``offsets = cumsum(counts)``)
+are multiplied by ``w[e]``. Backends:
+
+- ``loop``: one matmul per expert (the reference; any device and dtype).
+- ``torch``: ``torch._grouped_mm`` wrapped in an ``autograd.Function`` whose backward makes the
+  incoming gradient contiguous (the built-in CPU backward fails on expanded zero-stride
+  gradients with "Invalid strides/sizes") and computes dX and dW with grouped GEMMs.
+  Needs float32/bfloat16/float16 and K, M whose rows are 16-byte aligned.
+- ``megablocks``: MegaBlocks' grouped GEMM, CUDA only, imported only when asked for.
+- ``auto``: megablocks on CUDA when importable, else torch where supported, else loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gmm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Reference grouped GEMM: x [N, K], w [E, K, M], counts [E] -> [N, M]."""
+    outs = [xe @ w[e] for e, xe in enumerate(torch.split(x, counts.tolist(), dim=0))]
+    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
+
+
+class _TorchGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        return torch._grouped_mm(x, w, offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, w, offsets = ctx.saved_tensors
+        # NOTE: grad_out may be an expanded (zero-stride) tensor; _grouped_mm rejects it.
+        grad_out = grad_out.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad_out, w.transpose(-2, -1), offs=offsets)
+        if ctx.needs_input_grad[1]:
+            # [K, N] x [N, M] grouped along N -> [E, K, M]; experts with no rows get zeros.
+            grad_w = torch._grouped_mm(x.t().contiguous(), grad_out, offs=offsets)
+        return grad_x, grad_w, None
+
+
+def gmm_torch(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` with a backward that works on CPU: x [N, K], w [E, K, M], counts [E]."""
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    return _TorchGroupedMM.apply(x, w, offsets)
+
+
+def _torch_reason(device: torch.device, dtype: torch.dtype, k: int, m: int) -> str | None:
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no torch._grouped_mm (needs torch >= 2.8)"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"torch._grouped_mm does not support {dtype}"
+    if device.type == "cuda" and dtype == torch.float32:
+        return "torch._grouped_mm on CUDA supports bf16/fp16 only"
+    if device.type not in ("cpu", "cuda"):
+        return f"torch._grouped_mm is not available on {device.type}"
+    align = 16 // torch.empty((), dtype=dtype).element_size()
+    if k % align or m % align:
+        return f"dims K={k}, M={m} must be multiples of {align} for 16-byte-aligned rows in {dtype}"
+    return None
+
+
+def _megablocks_reason(device: torch.device, dtype: torch.dtype, k: int, m: int) -> str | None:
+    if device.type != "cuda":
+        return "megablocks needs a CUDA device"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "megablocks grouped GEMM needs bf16 or fp16"
+    try:
+        import grouped_gemm  # noqa: F401  (MegaBlocks' kernel package)
+    except ImportError:
+        return "install the GPU extra: pip install 'mode-moe[gpu]' (megablocks, grouped_gemm)"
+    return None
+
+
+def gmm_megablocks(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """MegaBlocks' CUTLASS grouped GEMM (CUDA; batch sizes live on the CPU as int64)."""
+    from grouped_gemm import ops  # noqa: PLC0415
+
+    return ops.gmm(x, w, counts.to("cpu", torch.int64), trans_b=False)
+
+
+BACKENDS: dict[str, GroupedGemm] = {"loop": gmm_loop, "torch": gmm_torch, "megablocks": gmm_megablocks}
+_REASONS = {"loop": lambda *a: None, "torch": _torch_reason, "megablocks": _megablocks_reason}
+
+
+def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, k: int = 64, m: int = 64) -> str | None:
+    """Why backend ``name`` cannot run for these inputs, or None when it can."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is invalid: choose one of {list(BACKENDS) + ['auto']}")
+    return _REASONS[name](torch.device(device), dtype, k, m)
+
+
+def get_backend(
+    name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, k: int = 64, m: int = 64
+) -> GroupedGemm:
+    """Resolve a backend for inputs on ``device``/``dtype`` with inner dims K, M.
+
+    ``auto`` tries megablocks, torch, loop in that order. A named backend that cannot run
+    raises ``RuntimeError`` saying why and what to install.
+    """
+    if name == "auto":
+        reasons = {}
+        for candidate in ("megablocks", "torch", "loop"):
+            reason = unavailable_reason(candidate, torch.device(device), dtype, k, m)
+            if reason is None:
+                return BACKENDS[candidate]
+            reasons[candidate] = reason
+        raise RuntimeError(f"no grouped GEMM backend works here: {reasons}")
+    reason = unavailable_reason(name, torch.device(device), dtype, k, m)
+    if reason is not None:
+        raise RuntimeError(f"grouped GEMM backend {name!r} is unavailable: {reason}")
+    return BACKENDS[name]
+
+
+def resolve_name(name: str, device: torch.device | str, dtype: torch.dtype, k: int, m: int) -> str:
+    """The concrete backend name ``get_backend(name, ...)`` would use."""
+    fn = get_backend(name, device, dtype, k, m)
+    return next(n for n, f in BACKENDS.items() if f is fn)

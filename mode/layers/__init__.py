@@ -1,0 +1,1 @@
+"""Layers: attention and the blocks that share one interface, ``block(x, positions) -> x``."""

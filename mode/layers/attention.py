@@ -1,0 +1,64 @@
+"""Causal multi-head attention with RoPE at the tokens' original positions.
+
+Legend: B batch, T tokens (possibly a routed subset), H heads, Dh head dim, D = H * Dh.
+A routed block gathers its chosen tokens in position order and passes their original
+positions, so RoPE and the causal mask are those of the full sequence restricted to the
+chosen set.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [B, T] (or [T]) integer -> cos, sin: [B, 1, T, Dh/2] float32."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, Dh/2]
+    if angles.dim() == 2:
+        angles = angles.unsqueeze(0)
+    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, Dh]; rotates the two halves of the head dim (GPT-NeoX layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """x: [B, T, D] -> [B, T, D]; causal over the given token order (positions ascending)."""
+
+    def __init__(self, d_model: int, n_heads: int, rope_base: float = 10000.0) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.rope_base = rope_base
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [B, T, D], positions: [B, T] -> q, k, v: [B, H, T, Dh] with RoPE applied to q, k."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_base)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        """y: [B, H, T, Dh] -> [B, T, D]."""
+        B, H, T, Dh = y.shape
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * Dh))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        q, k, v = self.project_qkv(x, positions)
+        # NOTE: positions are ascending within a row, so "causal in token order" is
+        # "causal by original position".
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.output(y)

@@ -1,0 +1,100 @@
+"""MoDETransformer: a nanoGPT-shaped causal LM whose blocks follow a per-layer layout.
+
+Legend: B batch, T sequence length, D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mode.config import ModelConfig
+from mode.layers.blocks import DenseBlock, MoDBlock
+
+
+def build_block(kind: str, cfg: ModelConfig) -> nn.Module:
+    """One block of the given layout kind, sized by ``cfg``."""
+    d, h = cfg.d_model, cfg.n_heads
+    if kind == "dense":
+        return DenseBlock(d, h, cfg.mlp_ratio, cfg.rope_base)
+    if kind == "mod":
+        return MoDBlock(d, h, cfg.mod.capacity, cfg.mlp_ratio, cfg.mod.gate, cfg.rope_base)
+    from mode.layers.moe_blocks import build_moe_block  # noqa: PLC0415 (experts are optional here)
+
+    return build_moe_block(kind, cfg)
+
+
+class MoDETransformer(nn.Module):
+    """Causal LM. ``forward(idx [B, T], targets [B, T] | None) -> (logits [B, T, V], loss | None)``.
+
+    ``loss`` is the mean next-token cross-entropy only; routed blocks keep their auxiliary
+    losses on themselves (collect them with ``mode.aux_loss(model)``).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.block_kinds = cfg.block_kinds()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(build_block(kind, cfg) for kind in self.block_kinds)
+        self.norm = nn.LayerNorm(cfg.d_model, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2 style: scale the residual output projections by depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("w2"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if exclude_embedding else n
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
+        positions = torch.arange(T, device=idx.device).expand(B, T)
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x, positions)
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx`` ([B, T0]) by re-running the full forward
+        on the last ``seq_len`` tokens (top-k routing sees the whole window)."""
+        for _ in range(max_new_tokens):
+            window = idx[:, -self.cfg.seq_len :]
+            logits, _ = self(window)
+            next_id = sample_next(logits[:, -1, :], temperature, top_k)
+            idx = torch.cat((idx, next_id), dim=1)
+        return idx
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
+    """logits: [B, V] -> [B, 1] sampled token ids (greedy when temperature == 0)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
+    return torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)

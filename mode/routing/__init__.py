@@ -1,0 +1,1 @@
+"""Routing: who computes what. Pure tensor functions, no parameters, no imports of ours."""

@@ -1,0 +1,271 @@
+"""Training loop and the ``mode-train`` CLI.
+
+AdamW, cosine schedule with linear warm-up, gradient clipping, eval every N steps, a tqdm
+progress bar, metrics to ``<out_dir>/metrics.jsonl`` and checkpoint + resume
+(``<out_dir>/ckpt.pt``, written atomically).
+
+    mode-train --config mod model.n_layers=8 train.steps=500
+    mode-train --config configs/moe.yaml --print-flops
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mode.aux import aux_loss, routing_metrics
+from mode.config import Config, ModelConfig, TrainConfig, load_config, to_dict
+from mode.data import TokenSplit, load_splits
+from mode.flops import train_flops_per_step
+from mode.model import MoDETransformer
+
+
+def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
+    """Linear warm-up to ``lr`` then cosine decay to ``min_lr`` at ``steps``, or at
+    ``max_seconds`` of wall-clock when that comes first (time-budgeted runs decay too)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    if cfg.max_seconds:
+        progress = max(progress, min(1.0, elapsed / cfg.max_seconds))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=False)
+
+
+@torch.no_grad()
+def evaluate(model: MoDETransformer, split: TokenSplit, batch_size: int, n_batches: int, **forward_kw) -> float:
+    """Mean cross-entropy (nats/token) over fixed windows of ``split`` (same for every model)."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    losses = []
+    for _ in range(n_batches):
+        x, y = split.batch(batch_size, gen)
+        _, loss = model(x.to(device), y.to(device), **forward_kw)
+        losses.append(loss.item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def save_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    cfg: Config,
+    data_rng: torch.Generator | None = None,
+) -> None:
+    """Atomic: write to a temporary file, then rename over the last good checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": step,
+        "config": to_dict(cfg),
+        "rng": torch.get_rng_state(),
+        "data_rng": data_rng.get_state() if data_rng is not None else None,
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer | None = None,
+    data_rng: torch.Generator | None = None,
+) -> int:
+    """Restore model (and optimizer, RNG) state; returns the step to continue from."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    if opt is not None:
+        opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    if data_rng is not None and state.get("data_rng") is not None:
+        data_rng.set_state(state["data_rng"])
+    return int(state["step"])
+
+
+def after_optimizer_step(model: torch.nn.Module) -> None:
+    """Let modules update non-gradient state (e.g. aux-loss-free expert biases)."""
+    for m in model.modules():
+        hook = getattr(m, "after_optimizer_step", None)
+        if callable(hook) and m is not model:
+            hook()
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    train_loss: float
+    val_loss: float
+    step_times: list[float] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)  # eval points: step, seconds, flops, val_loss
+
+    @property
+    def median_step_time(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else float("nan")
+
+
+def _check_vocab(model_cfg: ModelConfig, vocab: int) -> None:
+    if vocab > model_cfg.vocab_size:
+        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is too small: the data needs {vocab}")
+
+
+def train(
+    cfg: Config, model: MoDETransformer | None = None, stop_at: int | None = None
+) -> tuple[MoDETransformer, TrainResult]:
+    """Train ``model`` (built from ``cfg.model`` when None) and return it with its results.
+
+    ``stop_at`` ends this run early after that step (with a checkpoint), as a preemption
+    would; a later run with ``train.resume=true`` continues it exactly.
+    """
+    tc = cfg.train
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    torch.manual_seed(tc.seed)
+    train_split, val_split, vocab = load_splits(
+        cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir
+    )
+    _check_vocab(cfg.model, vocab)
+    model = (model or MoDETransformer(cfg.model)).to(tc.device)
+    opt = build_optimizer(model, tc)
+    out_dir = Path(tc.out_dir)
+    ckpt = out_dir / "ckpt.pt"
+    gen = torch.Generator().manual_seed(tc.seed)
+    start = load_checkpoint(ckpt, model, opt, gen) if tc.resume and ckpt.exists() else 0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    log = open(out_dir / "metrics.jsonl", "a" if start else "w")  # noqa: SIM115
+    flops_per_step = train_flops_per_step(cfg.model, tc.batch_size)
+    result = TrainResult(steps=start, train_loss=float("nan"), val_loss=float("nan"))
+    t_start = time.perf_counter()
+    bar = tqdm(range(start, tc.steps), disable=not tc.progress, desc=cfg.name, dynamic_ncols=True)
+    model.train()
+    step = start
+    for step in bar:
+        lr = lr_at(step, tc, time.perf_counter() - t_start)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = train_split.batch(tc.batch_size, gen)
+        t0 = time.perf_counter()
+        _, loss = model(x.to(tc.device), y.to(tc.device))
+        aux = aux_loss(model)
+        (loss + aux).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip) if tc.grad_clip else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after_optimizer_step(model)
+        result.step_times.append(time.perf_counter() - t0)
+        result.train_loss = loss.item()
+        elapsed = time.perf_counter() - t_start
+        done = step + 1
+        record = {
+            "step": done,
+            "loss": result.train_loss,
+            "aux": aux.item(),
+            "lr": lr,
+            "step_time": result.step_times[-1],
+            "elapsed": elapsed,
+        }
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        out_of_time = bool(tc.max_seconds and elapsed >= tc.max_seconds) or done == stop_at
+        last = done == tc.steps or out_of_time
+        if done % tc.eval_every == 0 or last:
+            result.val_loss = evaluate(model, val_split, tc.batch_size, tc.eval_batches)
+            record["val_loss"] = result.val_loss
+            result.history.append(
+                {
+                    "step": done,
+                    "seconds": sum(result.step_times),
+                    "flops": done * flops_per_step,
+                    "val_loss": result.val_loss,
+                }
+            )
+        if done % tc.log_every == 0 or "val_loss" in record:
+            record.update(routing_metrics(model))
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.set_postfix(loss=f"{result.train_loss:.3f}", val=f"{result.val_loss:.3f}")
+        if tc.ckpt_every and done % tc.ckpt_every == 0:
+            save_checkpoint(ckpt, model, opt, done, cfg, gen)
+        result.steps = done
+        if out_of_time:
+            break
+    bar.close()
+    log.close()
+    save_checkpoint(ckpt, model, opt, result.steps, cfg, gen)
+    return model, result
+
+
+def print_flops(cfg: Config) -> None:
+    """Parameters, active parameters and FLOPs per token of ``cfg``'s model."""
+    from mode.flops import model_flops  # noqa: PLC0415
+
+    model = MoDETransformer(cfg.model)
+    T = cfg.model.seq_len
+    print(f"{cfg.name}: layout {model.block_kinds}")
+    print(f"  parameters         {model.num_params():,}")
+    print(f"  active parameters  {active_params(model):,}")
+    print(f"  forward FLOPs/token {model_flops(cfg.model) / T:,.0f}")
+    print(f"  train FLOPs/step   {train_flops_per_step(cfg.model, cfg.train.batch_size):,}")
+
+
+def active_params(model: MoDETransformer) -> int:
+    """Parameters a token touches on average: experts count ``top_k/E`` of their weights."""
+    total = 0
+    for module in model.modules():
+        share = getattr(module, "active_share", None)
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        total += round(own * share()) if callable(share) else own
+    return total
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="mode-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=None, help="preset name in configs/ or a YAML path")
+    parser.add_argument("--print-flops", action="store_true", help="print parameters and FLOPs, then exit")
+    parser.add_argument("--sample", type=int, default=0, help="print this many sampled bytes after training")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. model.n_layers=8")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    if args.print_flops:
+        print_flops(cfg)
+        return
+    model, result = train(cfg)
+    print(
+        f"{cfg.name}: {result.steps} steps, train loss {result.train_loss:.4f}, val loss {result.val_loss:.4f} "
+        f"({result.val_loss / math.log(2):.3f} bits/byte), median step {1000 * result.median_step_time:.1f} ms"
+    )
+    if args.sample:
+        from mode.data import decode, encode  # noqa: PLC0415
+
+        model.eval()
+        out = model.generate(encode("\n").to(cfg.train.device), args.sample, temperature=0.8, top_k=50)
+        print(decode(out[0]))
+
+
+if __name__ == "__main__":
+    main()

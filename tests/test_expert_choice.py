@@ -1,0 +1,57 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mode.routing.expert_choice import capacity_to_k, expert_choice_topk
+from tests.reference import topk_reference
+
+CASES = [(1, 8, 0.5), (3, 16, 0.125), (2, 7, 0.3), (4, 32, 1.0), (2, 10, 0.0)]
+
+
+@pytest.mark.parametrize("B,T,capacity", CASES, ids=[f"B{b}-T{t}-c{c}" for b, t, c in CASES])
+def test_exact_k_sorted_and_matches_reference(B, T, capacity):
+    scores = torch.randn(B, T)
+    plan = expert_choice_topk(scores, capacity)
+    k = capacity_to_k(capacity, T)
+    assert plan.indices.shape == (B, k)
+    assert plan.mask.sum(dim=1).tolist() == [k] * B
+    assert torch.all(plan.indices[:, 1:] > plan.indices[:, :-1])
+    assert plan.indices.tolist() == topk_reference(scores, k)
+    torch.testing.assert_close(plan.weights, scores.gather(1, plan.indices), rtol=0, atol=0)
+
+
+def test_ties_go_to_lower_positions():
+    scores = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0, 2.0]])
+    plan = expert_choice_topk(scores, 0.5)  # k = 3 among four tied 2.0s
+    assert plan.indices.tolist() == [[1, 2, 3]]
+    assert expert_choice_topk(torch.zeros(2, 8), 0.25).indices.tolist() == [[0, 1], [0, 1]]
+
+
+def test_k_is_floor_of_capacity_times_T():
+    assert capacity_to_k(0.125, 1024) == 128
+    assert capacity_to_k(0.3, 10) == 3
+    assert capacity_to_k(0.29, 10) == 2
+    with pytest.raises(ValueError, match="capacity"):
+        capacity_to_k(1.5, 10)
+
+
+def test_router_weights_carry_gradient():
+    scores = torch.randn(2, 8, requires_grad=True)
+    plan = expert_choice_topk(scores, 0.5)
+    plan.weights.sum().backward()
+    assert torch.equal(scores.grad, plan.mask.float())
+
+
+@settings(max_examples=50, deadline=None)
+@given(B=st.integers(1, 4), T=st.integers(1, 40), capacity=st.floats(0, 1), seed=st.integers(0, 10_000))
+def test_property_chosen_scores_dominate(B, T, capacity, seed):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-3, 4, (B, T), generator=gen).float()  # many ties
+    plan = expert_choice_topk(scores, capacity)
+    k = capacity_to_k(capacity, T)
+    assert plan.indices.tolist() == topk_reference(scores, k)
+    if 0 < k < T:
+        chosen_min = scores.masked_fill(~plan.mask, float("inf")).min(dim=1).values
+        other_max = scores.masked_fill(plan.mask, float("-inf")).max(dim=1).values
+        assert torch.all(chosen_min >= other_max)

@@ -1,0 +1,126 @@
+import pytest
+import torch
+
+from mode.layers.attention import CausalSelfAttention
+from mode.layers.blocks import DenseBlock, MoDBlock
+from tests.reference import attention_reference, mod_block_reference
+
+D, H = 32, 4
+ATOL_F32 = 1e-5
+
+
+def make_block(capacity=0.25, gate="sigmoid", dtype=torch.float32):
+    blk = MoDBlock(D, H, capacity=capacity, gate=gate).to(dtype)
+    torch.nn.init.normal_(blk.router.weight, std=0.5)
+    return blk
+
+
+@pytest.mark.parametrize("gate", ["sigmoid", "identity", "none"])
+def test_matches_loop_reference_values_and_grads(gate):
+    blk = make_block(0.25, gate)
+    x = torch.randn(3, 16, D, requires_grad=True)
+    out = blk(x)
+    ref = mod_block_reference(blk, x)
+    torch.testing.assert_close(out, ref, atol=ATOL_F32, rtol=1e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, *blk.parameters()], g, allow_unused=True)
+    ref_grads = torch.autograd.grad(ref, [x, *blk.parameters()], g, allow_unused=True)
+    for a, b in zip(grads, ref_grads, strict=True):
+        if a is None:
+            assert b is None
+            continue
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_residual_form_and_unrouted_bit_exact():
+    blk = make_block(0.25)
+    x = torch.randn(2, 16, D)
+    out = blk(x)
+    scores = blk.router_logits(x)
+    from mode.routing.expert_choice import expert_choice_topk, gather_tokens
+
+    plan = expert_choice_topk(scores, 0.25)
+    assert torch.equal(out[~plan.mask], x[~plan.mask])  # bit-exact
+    delta = blk.block.delta(gather_tokens(x, plan.indices), plan.indices)
+    expected = gather_tokens(x, plan.indices) + torch.sigmoid(plan.weights)[..., None] * delta
+    torch.testing.assert_close(gather_tokens(out, plan.indices), expected, atol=ATOL_F32, rtol=0)
+    # Never g(r) * (x + f(x)): that would scale the residual stream itself.
+    wrong = torch.sigmoid(plan.weights)[..., None] * (gather_tokens(x, plan.indices) + delta)
+    assert (gather_tokens(out, plan.indices) - wrong).abs().max() > 1e-2
+
+
+def test_capacity_zero_is_identity():
+    blk = make_block(0.0)
+    x = torch.randn(2, 16, D)
+    assert torch.equal(blk(x), x)
+
+
+def test_capacity_one_with_unit_gate_equals_dense():
+    blk = make_block(1.0, gate="none")
+    dense = DenseBlock(D, H)
+    dense.load_state_dict(blk.block.state_dict())
+    x = torch.randn(2, 16, D)
+    torch.testing.assert_close(blk(x), dense(x), atol=ATOL_F32, rtol=1e-5)
+
+
+def test_router_gradcheck_float64():
+    torch.manual_seed(1)
+    blk = make_block(0.5, dtype=torch.float64)
+    x = torch.randn(1, 6, D, dtype=torch.float64)
+    w_router = blk.router.weight.detach().clone().requires_grad_(True)
+    w_fc = blk.block.mlp.fc.weight.detach().clone().requires_grad_(True)
+
+    def f(wr, wf):
+        params = {"router.weight": wr, "block.mlp.fc.weight": wf}
+        return torch.func.functional_call(blk, params, (x,))
+
+    # Finite differences never flip the top-k choice here: the scores are far apart.
+    scores = blk.router_logits(x)[0].sort().values
+    assert (scores[1:] - scores[:-1]).min() > 1e-4
+    assert torch.autograd.gradcheck(f, (w_router, w_fc), eps=1e-6, atol=1e-5)
+    out = f(w_router, w_fc)
+    (gr,) = torch.autograd.grad(out.pow(2).sum(), w_router)
+    assert gr.abs().max() > 1e-3  # the router really receives gradient
+
+
+def test_batch_independence():
+    blk = make_block(0.25)
+    x = torch.randn(4, 16, D)
+    full = blk(x)
+    for b in range(4):
+        torch.testing.assert_close(blk(x[b : b + 1]), full[b : b + 1], atol=ATOL_F32, rtol=0)
+    x2 = x.clone()
+    x2[0] = torch.randn(16, D)  # changing row 0 leaves the others untouched
+    assert torch.equal(blk(x2)[1:], full[1:])
+
+
+def test_chosen_token_attention_equals_restricted_dense_attention():
+    attn = CausalSelfAttention(D, H)
+    B, T = 2, 12
+    x = torch.randn(B, T, D)
+    chosen = torch.tensor([[0, 3, 4, 9], [2, 5, 10, 11]])
+    sub = attn(torch.gather(x, 1, chosen[..., None].expand(-1, -1, D)), chosen)
+    # Dense attention over all T tokens at their own positions, keys restricted to the chosen set.
+    pos = torch.arange(T).expand(B, T)
+    q, k, v = attn.project_qkv(x, pos)
+    member = torch.zeros(B, T, dtype=torch.bool).scatter_(1, chosen, True)
+    allowed = torch.tril(torch.ones(T, T, dtype=torch.bool))[None] & member[:, None, :]
+    ref = attn.output(attention_reference(q, k, v, allowed))
+    torch.testing.assert_close(sub, ref.gather(1, chosen[..., None].expand(-1, -1, D)), atol=ATOL_F32, rtol=1e-5)
+    # Wrong positions (0..k-1 instead of the original ones) give a different answer.
+    wrong = attn(torch.gather(x, 1, chosen[..., None].expand(-1, -1, D)), torch.arange(4).expand(B, 4))
+    assert (wrong - sub).abs().max() > 1e-4
+
+
+def test_torch_compile_fullgraph():
+    blk = make_block(0.25)
+    x = torch.randn(2, 16, D)
+    compiled = torch.compile(blk, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), blk(x), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="capacity"):
+        MoDBlock(D, H, capacity=1.5)
+    with pytest.raises(ValueError, match="gate"):
+        MoDBlock(D, H, gate="relu")
