@@ -47,18 +47,35 @@ def main() -> None:
     dense_s = median_time(lambda: fwd_bwd(dense, x, gy), args.warmup, args.repeats)
     rows = [{"block": "dense", "capacity": 1.0, "ms": 1000 * dense_s, "time_ratio": 1.0, "flop_ratio": 1.0}]
     for c in args.capacities:
-        cfg = load_config(None, [f"model.d_model={d}", f"model.n_heads={h}", f"model.seq_len={T}",
-                                 f"model.mod.capacity={c}"]).model
+        cfg = load_config(
+            None, [f"model.d_model={d}", f"model.n_heads={h}", f"model.seq_len={T}", f"model.mod.capacity={c}"]
+        ).model
         mod = MoDBlock(d, h, capacity=c)
         mod.block.load_state_dict(dense.state_dict())
         s = median_time(lambda mod=mod: fwd_bwd(mod, x, gy), args.warmup, args.repeats)
         flop_ratio = block_flops("mod", cfg) / block_flops("dense", cfg)
-        rows.append({"block": "mod", "capacity": c, "ms": 1000 * s, "time_ratio": s / dense_s,
-                     "flop_ratio": flop_ratio, "time_over_flop": (s / dense_s) / flop_ratio})
+        rows.append(
+            {
+                "block": "mod",
+                "capacity": c,
+                "ms": 1000 * s,
+                "time_ratio": s / dense_s,
+                "flop_ratio": flop_ratio,
+                "time_over_flop": (s / dense_s) / flop_ratio,
+            }
+        )
     print(f"fwd+bwd, d={d}, heads={h}, seq={T}, batch={args.batch}, float32, threads={torch.get_num_threads()}")
-    print_table(rows, [("block", "block", ""), ("capacity", "capacity", ".4f"), ("ms", "ms", ".1f"),
-                       ("time_ratio", "time/dense", ".3f"), ("flop_ratio", "FLOP/dense", ".3f"),
-                       ("time_over_flop", "time/FLOP", ".2f")])
+    print_table(
+        rows,
+        [
+            ("block", "block", ""),
+            ("capacity", "capacity", ".4f"),
+            ("ms", "ms", ".1f"),
+            ("time_ratio", "time/dense", ".3f"),
+            ("flop_ratio", "FLOP/dense", ".3f"),
+            ("time_over_flop", "time/FLOP", ".2f"),
+        ],
+    )
     at_0125 = next((r for r in rows if r["block"] == "mod" and r["capacity"] == 0.125), None)
     targets = {
         "mod_0125_time_ratio_le_0.11": at_0125 is not None and at_0125["time_ratio"] <= 0.11,

@@ -27,6 +27,23 @@ def median_time(fn: Callable[[], object], warmup: int = 2, repeats: int = 7) -> 
     return statistics.median(times)
 
 
+def interleaved_median_times(
+    fns: dict[str, Callable[[], object]], warmup: int = 2, repeats: int = 7
+) -> dict[str, float]:
+    """Median seconds of each function, timed round-robin (one call of each per round) so
+    that drift in machine speed hits every candidate alike; ratios between them are fair."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def environment() -> dict:
     return {
         "torch": torch.__version__,
@@ -50,7 +67,7 @@ def write_json(name: str, payload: dict, label: str | None = None) -> Path:
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     """columns: (key, header, format spec)."""
-    widths = [max(len(h), 10) for _, h, _ in columns]
+    widths = [max([len(h), 10] + [len(format(r[k], f)) for r in rows if r.get(k) is not None]) for k, h, f in columns]
     print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths, strict=True)))
     for r in rows:
         cells = [format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns]

@@ -156,6 +156,11 @@ class ModelConfig:
             _fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even for RoPE")
         self.block_kinds()  # validates the layout
 
+    def expert_d_ff(self) -> int:
+        """Per-expert hidden size: ``moe.d_ff``, or ``mlp_ratio * d_model // top_k`` so that a
+        token's active expert FLOPs match the dense MLP."""
+        return self.moe.d_ff or max(1, self.mlp_ratio * self.d_model // self.moe.top_k)
+
     def block_kinds(self) -> list[str]:
         """The per-layer block kinds, the layout pattern tiled to n_layers."""
         pattern = [p for p in self.layout.replace(",", " ").split() if p]

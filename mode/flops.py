@@ -24,24 +24,19 @@ def mlp_flops(n: int, d: int, d_ff: int, kind: str = "gelu") -> int:
     return (6 if kind == "swiglu" else 4) * n * d * d_ff
 
 
-def expert_d_ff(cfg: ModelConfig) -> int:
-    """Per-expert hidden size: ``moe.d_ff`` or ``mlp_ratio * D // top_k`` (active FLOPs of dense)."""
-    return cfg.moe.d_ff or max(1, cfg.mlp_ratio * cfg.d_model // cfg.moe.top_k)
-
-
 def moe_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
     """Slots per expert of a capacity MoE: ceil(cf * N * K / E)."""
     return int(math.ceil(capacity_factor * n_tokens * top_k / n_experts))
 
 
-def moe_flops(n: int, cfg: ModelConfig, kind: str = "moe", real_share: float = 1.0) -> int:
+def moe_flops(n: int, cfg: ModelConfig, kind: str = "moe", real_share: float = 1.0, n_noop: int = 0) -> int:
     """Router over E (+ no-op) experts, plus expert GEMMs on n tokens.
 
     kind "moe": dropless, n*top_k*real_share assignments; "moe_capacity": E padded buffers.
     """
     m, d = cfg.moe, cfg.d_model
-    f = expert_d_ff(cfg)
-    router = 2 * n * d * (m.n_experts + m.n_noop)
+    f = cfg.expert_d_ff()
+    router = 2 * n * d * (m.n_experts + n_noop)
     if kind == "moe_capacity":
         rows = m.n_experts * moe_capacity(n, m.top_k, m.n_experts, m.capacity_factor)
     else:
@@ -68,7 +63,7 @@ def block_flops(kind: str, cfg: ModelConfig, seq_len: int | None = None) -> int:
         # Expected share of assignments that reach a real expert: the balance loss targets
         # ``noop_share`` of assignments on the no-op experts.
         real_share = 1.0 - (m.noop_share if m.n_noop else 0.0)
-        return attention_flops(T, d) + moe_flops(T, cfg, "moe", real_share)
+        return attention_flops(T, d) + moe_flops(T, cfg, "moe", real_share, m.n_noop)
     raise ValueError(f"unknown block kind {kind!r}")
 
 

@@ -12,19 +12,56 @@ import torch.nn.functional as F
 from torch import nn
 
 from mode.config import ModelConfig
-from mode.layers.blocks import DenseBlock, MoDBlock
+from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer
+from mode.layers.blocks import DenseBlock, MoDBlock, MoEBlock
+
+
+def build_moe(cfg: ModelConfig, capacity: bool = False, n_noop: int = 0) -> MoELayer:
+    """The MoE layer described by ``cfg.moe`` (``CapacityMoE`` when ``capacity``)."""
+    m = cfg.moe
+    cls = CapacityMoE if capacity else DroplessMoE
+    return cls(
+        cfg.d_model,
+        cfg.expert_d_ff(),
+        m.n_experts,
+        m.top_k,
+        mlp=m.mlp,
+        backend=m.backend,
+        router=m.router,
+        renormalize=m.renormalize,
+        jitter=m.jitter,
+        capacity_factor=m.capacity_factor,
+        drop_policy=m.drop_policy,
+        shared_expert=m.shared_expert,
+        n_noop=n_noop,
+        noop_share=m.noop_share,
+        lb_coef=m.lb_coef,
+        lb_scope=m.lb_scope,
+        z_coef=m.z_coef,
+        bias_rate=m.bias_rate,
+    )
 
 
 def build_block(kind: str, cfg: ModelConfig) -> nn.Module:
-    """One block of the given layout kind, sized by ``cfg``."""
-    d, h = cfg.d_model, cfg.n_heads
-    if kind == "dense":
-        return DenseBlock(d, h, cfg.mlp_ratio, cfg.rope_base)
-    if kind == "mod":
-        return MoDBlock(d, h, cfg.mod.capacity, cfg.mlp_ratio, cfg.mod.gate, cfg.rope_base)
-    from mode.layers.moe_blocks import build_moe_block  # noqa: PLC0415 (experts are optional here)
+    """One block of the given layout kind, sized by ``cfg``.
 
-    return build_moe_block(kind, cfg)
+    "dense", "mod" (MoD around a dense block), "moe" (dropless), "moe_capacity",
+    "mode_staged" (MoD around an MoE block), "mode_integrated" (MoE with ``moe.n_noop``
+    no-op experts).
+    """
+    d, h, rope = cfg.d_model, cfg.n_heads, cfg.rope_base
+    if kind == "dense":
+        return DenseBlock(d, h, cfg.mlp_ratio, rope)
+    if kind == "mod":
+        return MoDBlock(d, h, cfg.mod.capacity, cfg.mlp_ratio, cfg.mod.gate, rope)
+    if kind in ("moe", "moe_capacity"):
+        return MoEBlock(d, h, build_moe(cfg, capacity=kind == "moe_capacity"), rope)
+    if kind == "mode_staged":
+        inner = MoEBlock(d, h, build_moe(cfg), rope)
+        return MoDBlock(d, h, cfg.mod.capacity, gate=cfg.mod.gate, rope_base=rope, inner=inner)
+    if kind == "mode_integrated":
+        return MoEBlock(d, h, build_moe(cfg, n_noop=cfg.moe.n_noop), rope)
+    raise ValueError(f"unknown block kind {kind!r}")
 
 
 class MoDETransformer(nn.Module):

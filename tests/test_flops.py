@@ -17,7 +17,15 @@ def counted_flops(fn) -> int:
     return counter.get_total_flops()
 
 
-BLOCK_CASES = [("dense", []), ("mod", ["model.mod.capacity=0.125"]), ("mod", ["model.mod.capacity=0.5"])]
+BLOCK_CASES = [
+    ("dense", []),
+    ("mod", ["model.mod.capacity=0.125"]),
+    ("mod", ["model.mod.capacity=0.5"]),
+    ("moe", ["model.moe.backend=torch"]),
+    ("moe", ["model.moe.backend=loop", "model.moe.top_k=1", "model.moe.mlp=swiglu"]),
+    ("moe_capacity", ["model.moe.capacity_factor=1.25"]),
+    ("mode_staged", ["model.mod.capacity=0.25"]),
+]
 
 
 @pytest.mark.parametrize("kind,overrides", BLOCK_CASES, ids=[f"{k}-{o}" for k, o in BLOCK_CASES])
@@ -42,3 +50,16 @@ def test_mod_costs_k_squared_attention():
     cfg = load_config("mod", ["model.d_model=512", "model.n_heads=8", "model.seq_len=1024"]).model
     ratio = block_flops("mod", cfg) / block_flops("dense", cfg)
     assert 0.09 < ratio < 0.12  # about 0.10 at this size: attention over k tokens costs k^2
+
+
+def test_integrated_flops_match_counter_at_the_realised_noop_share():
+    cfg = load_config(
+        None, ["model.d_model=64", "model.n_heads=4", "model.seq_len=128", "model.moe.n_noop=4", "model.moe.top_k=1"]
+    ).model
+    block = build_block("mode_integrated", cfg)
+    x = torch.randn(2, cfg.seq_len, cfg.d_model)
+    measured = counted_flops(lambda: block(x)) / 2
+    share = block.mlp.metrics["noop_share"].item()
+    assert 0 < share < 1
+    cfg.moe.noop_share = share
+    assert measured == pytest.approx(block_flops("mode_integrated", cfg), rel=REL_TOL)

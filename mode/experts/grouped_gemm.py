@@ -4,7 +4,7 @@ Rows of ``x`` are sorted by expert: rows ``offsets[e-1]:offsets[e]`` (``offsets 
 are multiplied by ``w[e]``. Backends:
 
 - ``loop``: one matmul per expert (the reference; any device and dtype).
-- ``torch``: ``torch._grouped_mm`` wrapped in an ``autograd.Function`` whose backward makes the
+- ``torch``: ``torch._grouped_mm`` as a custom op whose registered backward makes the
   incoming gradient contiguous (the built-in CPU backward fails on expanded zero-stride
   gradients with "Invalid strides/sizes") and computes dX and dW with grouped GEMMs.
   Needs float32/bfloat16/float16 and K, M whose rows are 16-byte aligned.
@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -27,30 +28,53 @@ def gmm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Te
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
 
 
-class _TorchGroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offsets)
-        return torch._grouped_mm(x, w, offs=offsets)
+# NOTE: the grouped GEMM is a torch.library custom op with a fake (meta) implementation
+# so torch.compile treats it as one opaque node (the built-in meta of torch._grouped_mm
+# insists on bf16); its autograd is registered explicitly so the backward works on CPU.
+@torch.library.custom_op("mode::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w, offs=offsets)
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, w, offsets = ctx.saved_tensors
-        # NOTE: grad_out may be an expanded (zero-stride) tensor; _grouped_mm rejects it.
-        grad_out = grad_out.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad_out, w.transpose(-2, -1), offs=offsets)
-        if ctx.needs_input_grad[1]:
-            # [K, N] x [N, M] grouped along N -> [E, K, M]; experts with no rows get zeros.
-            grad_w = torch._grouped_mm(x.t().contiguous(), grad_out, offs=offsets)
-        return grad_x, grad_w, None
+
+@_grouped_mm_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("mode::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad(x: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """dW[e] = x[group e]^T @ grad_out[group e]: x [N, K], grad_out [N, M] -> [E, K, M]."""
+    # NOTE: x.t() is a transposed view with 16-byte aligned columns; a contiguous copy would
+    # cost more than the GEMM's own transpose handling.
+    return torch._grouped_mm(x.t(), grad_out, offs=offsets)
+
+
+@_grouped_mm_wgrad.register_fake
+def _(x: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(offsets.shape[0], x.shape[1], grad_out.shape[1])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _backward(ctx, grad_out: torch.Tensor):
+    x, w, offsets = ctx.saved_tensors
+    # NOTE: grad_out may be an expanded (zero-stride) tensor; _grouped_mm rejects it.
+    grad_out = grad_out.contiguous()
+    grad_x = _grouped_mm_op(grad_out, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
+    grad_w = _grouped_mm_wgrad(x, grad_out, offsets) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def gmm_torch(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm`` with a backward that works on CPU: x [N, K], w [E, K, M], counts [E]."""
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    return _TorchGroupedMM.apply(x, w, offsets)
+    return _grouped_mm_op(x, w, offsets)
 
 
 def _torch_reason(device: torch.device, dtype: torch.dtype, k: int, m: int) -> str | None:
@@ -124,3 +148,14 @@ def resolve_name(name: str, device: torch.device | str, dtype: torch.dtype, k: i
     """The concrete backend name ``get_backend(name, ...)`` would use."""
     fn = get_backend(name, device, dtype, k, m)
     return next(n for n, f in BACKENDS.items() if f is fn)
+
+
+# FlopCounterMode counts the custom ops like any matmul: 2 * N * K * M.
+@register_flop_formula(torch.ops.mode.grouped_mm)
+def _grouped_mm_flops(x_shape, w_shape, offsets_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * w_shape[-1]
+
+
+@register_flop_formula(torch.ops.mode.grouped_mm_wgrad)
+def _grouped_mm_wgrad_flops(x_shape, grad_shape, offsets_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * grad_shape[1]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mode.aux import Routed
+from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.mlp import MLP
 from mode.routing.expert_choice import (
@@ -113,3 +114,63 @@ class MoDBlock(Routed):
         delta = self.block.delta(x_sel, positions.gather(1, plan.indices))  # [B, k, D]
         g = GATES[self.gate](weights).unsqueeze(-1)  # [B, k, 1]
         return scatter_add_tokens(x, plan.indices, g.to(delta.dtype) * delta)
+
+
+class MoEBlock(TransformerBlock):
+    """Attention on every token, then an MoE layer (``DroplessMoE`` or ``CapacityMoE``) as the MLP."""
+
+    def __init__(self, d_model: int, n_heads: int, moe: MoELayer, rope_base: float = 10000.0) -> None:
+        super().__init__(d_model, n_heads, moe, rope_base)
+
+
+class StagedMoDEBlock(MoDBlock):
+    """Staged MoDE: a MoD router picks ``floor(capacity * T)`` tokens per sequence around the
+    whole block; only they go through attention and a (dropless by default) MoE MLP. Output
+    ``x + g(r) * f(x)`` on chosen tokens; skipping tokens never reach the experts.
+
+    ``moe_kwargs`` go to the MoE layer (``mlp``, ``backend``, ``lb_coef``, ...); ``d_ff``
+    defaults to ``4 * d_model // top_k``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        capacity: float = 0.125,
+        n_experts: int = 8,
+        top_k: int = 2,
+        d_ff: int | None = None,
+        gate: str = "sigmoid",
+        dropless: bool = True,
+        rope_base: float = 10000.0,
+        **moe_kwargs,
+    ) -> None:
+        cls = DroplessMoE if dropless else CapacityMoE
+        moe = cls(d_model, d_ff or 4 * d_model // top_k, n_experts, top_k, **moe_kwargs)
+        inner = MoEBlock(d_model, n_heads, moe, rope_base)
+        super().__init__(d_model, n_heads, capacity, gate=gate, rope_base=rope_base, inner=inner)
+
+
+class IntegratedMoDEBlock(MoEBlock):
+    """Integrated MoDE: attention on every token; the MLP router chooses among ``n_experts``
+    real experts and ``n_noop`` no-op experts. A token assigned to a no-op expert gets zero
+    from it and costs no GEMM (with top-1, its MLP residual is exactly unchanged). The
+    load-balance loss targets ``noop_share`` of assignments on the no-op experts.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_experts: int = 8,
+        n_noop: int = 8,
+        top_k: int = 1,
+        d_ff: int | None = None,
+        noop_share: float = 0.5,
+        rope_base: float = 10000.0,
+        **moe_kwargs,
+    ) -> None:
+        moe = DroplessMoE(
+            d_model, d_ff or 4 * d_model // top_k, n_experts, top_k, n_noop=n_noop, noop_share=noop_share, **moe_kwargs
+        )
+        super().__init__(d_model, n_heads, moe, rope_base)

@@ -1,0 +1,128 @@
+"""MoE MLP layer: dropless (each backend) vs capacity MoE vs a dense MLP of equal active FLOPs.
+
+    python benchmarks/bench_moe.py                       # d 512, ffn 1024/expert, E 8, top-2, 8192 tokens
+    python benchmarks/bench_moe.py --dtypes bfloat16 --device cuda --label h200
+
+Forward+backward time, median of repeats after warm-up, all candidates timed round-robin;
+every ratio is to the dense MLP (hidden top_k * ffn) of the same dtype. Cases: "balanced"
+(a random router) and "skewed" (half the tokens strongly prefer expert 0).
+Targets (balanced): dropless(auto) <= 0.85x capacity MoE at cf 1.25, and <= 1.10x dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import interleaved_median_times, print_table, write_json  # noqa: E402
+
+from mode.experts.grouped_gemm import BACKENDS, resolve_name, unavailable_reason  # noqa: E402
+from mode.experts.moe import CapacityMoE, DroplessMoE  # noqa: E402
+from mode.layers.mlp import MLP  # noqa: E402
+
+DENSE = "dense MLP (same active FLOPs)"
+
+
+def make_input(n: int, d: int, router_w: torch.Tensor, case: str, dtype, device) -> torch.Tensor:
+    x = torch.randn(n, d, device=device)
+    if case == "skewed":  # push half the tokens toward expert 0
+        direction = router_w[0].float() / router_w[0].float().norm()
+        x[: n // 2] += 4.0 * direction
+    return x.to(dtype).requires_grad_(True)
+
+
+def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+    x.grad = None
+    layer(x).backward(grad)
+
+
+def build_layers(args, dtype, base: DroplessMoE) -> dict[str, torch.nn.Module]:
+    d, f, E, K = args.d_model, args.d_ff, args.experts, args.top_k
+    layers: dict[str, torch.nn.Module] = {DENSE: MLP(d, K * f)}
+    for name in ["auto", *BACKENDS]:
+        if name != "auto" and unavailable_reason(name, torch.device(args.device), dtype, d, f):
+            continue
+        label = f"dropless[auto={resolve_name(name, args.device, dtype, d, f)}]" if name == "auto" else name
+        layers[label if name == "auto" else f"dropless[{name}]"] = DroplessMoE(d, f, E, K, backend=name)
+    for cf in (1.0, 1.25, 2.0):
+        layers[f"capacity cf={cf}"] = CapacityMoE(d, f, E, K, capacity_factor=cf)
+    for layer in layers.values():
+        if isinstance(layer, DroplessMoE | CapacityMoE):
+            layer.load_state_dict(base.state_dict())
+        layer.to(args.device, dtype)
+    return layers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--d-ff", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--label", default=None)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    rows, targets = [], {}
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        base = DroplessMoE(args.d_model, args.d_ff, args.experts, args.top_k)
+        layers = build_layers(args, dtype, base)
+        grad = torch.randn(args.tokens, args.d_model, device=args.device, dtype=dtype)
+        for case in ("balanced", "skewed"):
+            x = make_input(args.tokens, args.d_model, base.router.weight.detach(), case, dtype, args.device)
+            fns = {name: partial(fwd_bwd, layer, x, grad) for name, layer in layers.items()}
+            times = interleaved_median_times(fns, args.warmup, args.repeats)
+            for name, s in times.items():
+                m = getattr(layers[name], "metrics", {})
+                rows.append(
+                    {
+                        "dtype": dtype_name,
+                        "case": case,
+                        "layer": name,
+                        "ms": 1000 * s,
+                        "vs_dense": s / times[DENSE],
+                        "drop": float(m.get("drop_fraction", 0.0)) if m else None,
+                        "max_load": float(m["load"].max()) if m else None,
+                    }
+                )
+            if case == "balanced":
+                auto = next(v for k, v in times.items() if k.startswith("dropless[auto"))
+                for key, ratio, limit in (
+                    ("capacity cf=1.25", auto / times["capacity cf=1.25"], 0.85),
+                    ("dense", auto / times[DENSE], 1.10),
+                ):
+                    targets[f"{dtype_name}: dropless(auto) <= {limit}x {key}"] = {"ratio": ratio, "met": ratio <= limit}
+    print(
+        f"fwd+bwd, d={args.d_model}, ffn={args.d_ff}/expert, E={args.experts}, top-{args.top_k}, "
+        f"tokens={args.tokens}, device={args.device}, threads={torch.get_num_threads()}"
+    )
+    print_table(
+        rows,
+        [
+            ("dtype", "dtype", ""),
+            ("case", "case", ""),
+            ("layer", "layer", ""),
+            ("ms", "ms", ".1f"),
+            ("vs_dense", "vs dense", ".3f"),
+            ("drop", "dropped", ".3f"),
+            ("max_load", "max load", ".3f"),
+        ],
+    )
+    for k, t in targets.items():
+        print(f"target {k}: {t['ratio']:.3f} -> {'met' if t['met'] else 'MISSED'}")
+    path = write_json("moe", {"args": vars(args), "rows": rows, "targets": targets}, args.label)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Expert MLP weights and their grouped computation.
+
+Legend: M tokens in expert order, D model dim, F expert hidden dim, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mode.experts.grouped_gemm import get_backend
+
+
+class ExpertMLP(nn.Module):
+    """E independent MLPs: GELU (``w1 [E, D, F]``, ``w2 [E, F, D]``) or SwiGLU (``w1`` and
+    ``w3 [E, D, F]`` gate/up, ``w2`` down). ``forward(x [M, D], counts [E]) -> [M, D]`` with
+    rows of ``x`` sorted by expert."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, mlp: str = "gelu", backend: str = "auto") -> None:
+        super().__init__()
+        if mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp={mlp!r} is invalid: choose 'gelu' or 'swiglu'")
+        if min(n_experts, d_model, d_ff) <= 0:
+            raise ValueError(f"n_experts={n_experts}, d_model={d_model}, d_ff={d_ff} must all be > 0")
+        self.mlp = mlp
+        self.backend = backend
+        self.active_fraction = 1.0  # share of these weights a token uses (set by the MoE layer)
+        self.w1 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d_model, d_ff)) if mlp == "swiglu" else None
+        for w in (self.w1, self.w2, self.w3):
+            if w is not None:
+                nn.init.normal_(w, std=0.02)
+
+    def active_share(self) -> float:
+        """Share of the expert weights an average token touches (for active-parameter counts)."""
+        return self.active_fraction
+
+    @property
+    def n_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        d_model, d_ff = self.w1.shape[1:]
+        gmm = get_backend(self.backend, x.device, x.dtype, d_model, d_ff)
+        h = gmm(x, self.w1, counts)
+        h = F.silu(h) * gmm(x, self.w3, counts) if self.w3 is not None else F.gelu(h)
+        return gmm(h, self.w2, counts)
+
+    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [E, C, D] padded per-expert buffers -> [E, C, D] with batched matmuls."""
+        h = torch.bmm(x, self.w1)
+        h = F.silu(h) * torch.bmm(x, self.w3) if self.w3 is not None else F.gelu(h)
+        return torch.bmm(h, self.w2)

@@ -1,0 +1,108 @@
+"""Mixture-of-Experts routing: token choice (top-k experts per token), capacity dropping,
+and expert choice (top-C tokens per expert).
+
+Legend: N tokens, E experts (real + no-op), K experts per token (top_k), C slots per expert.
+Router math is done in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+class TokenChoice(NamedTuple):
+    """experts: [N, K] int64 chosen expert ids (by descending score);
+    weights: [N, K] float32 combine weights; probs: [N, E] softmax of the logits."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    probs: torch.Tensor
+
+
+def jitter(x: torch.Tensor, eps: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Switch-style multiplicative input noise ``x * U(1 - eps, 1 + eps)`` (training only)."""
+    if eps <= 0:
+        return x
+    noise = torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps, generator=generator)
+    return x * noise
+
+
+def token_choice_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool = True, selection_bias: torch.Tensor | None = None
+) -> TokenChoice:
+    """Top-k experts per token from router logits ``[N, E]``.
+
+    ``selection_bias`` ([E], aux-loss-free balancing) is added to the logits for choosing
+    experts only; the combine weights are the softmax probabilities of the chosen experts,
+    renormalized to sum to one per token when ``renormalize``.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, E], got {tuple(logits.shape)}")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k={top_k} is invalid: must be in [1, n_experts={logits.shape[1]}]")
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    scores = logits if selection_bias is None else logits + selection_bias.float()
+    experts = torch.topk(scores.detach(), top_k, dim=-1).indices  # [N, K]
+    weights = probs.gather(1, experts)
+    if renormalize and top_k > 1:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return TokenChoice(experts, weights, probs)
+
+
+def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """Slots per expert: ``ceil(capacity_factor * N * K / E)``."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor={capacity_factor} is invalid: must be > 0")
+    return int(math.ceil(capacity_factor * n_tokens * top_k / n_experts))
+
+
+def capacity_keep(
+    experts: torch.Tensor, weights: torch.Tensor, n_experts: int, capacity: int, policy: str = "position"
+) -> torch.Tensor:
+    """Which assignments ([N, K]) fit in ``capacity`` slots per expert -> keep: [N, K] bool.
+
+    policy "position": assignments are served by choice rank, then token position (every
+    token's first choice before any second choice; earlier tokens first), as GShard/Switch.
+    policy "probs": within each expert, the highest combine weights keep their slot
+    (ties: earlier choice rank, then earlier token).
+    Assignments with an expert id >= ``n_experts`` (no-op experts) are never kept.
+    """
+    N, K = experts.shape
+    # Priority of each assignment in the order [k][n] (choice rank major, position minor).
+    rank_major = experts.t().reshape(-1)  # [K*N]
+    if policy == "position":
+        priority = torch.arange(K * N, device=experts.device)
+    elif policy == "probs":
+        w = weights.detach().t().reshape(-1)
+        priority = torch.empty_like(rank_major)
+        priority[torch.sort(-w, stable=True).indices] = torch.arange(K * N, device=experts.device)
+    else:
+        raise ValueError(f"drop_policy={policy!r} is invalid: choose 'position' or 'probs'")
+    # Sort by (expert, priority); an assignment's slot is its rank inside its expert.
+    key = rank_major * (K * N) + priority
+    order = torch.sort(key).indices
+    sorted_expert = rank_major[order]
+    counts = torch.bincount(sorted_expert, minlength=max(n_experts, int(experts.max()) + 1 if experts.numel() else 0))
+    starts = torch.cumsum(counts, 0) - counts
+    slot_sorted = torch.arange(K * N, device=experts.device) - starts[sorted_expert]
+    slot = torch.empty_like(slot_sorted)
+    slot[order] = slot_sorted
+    keep = (slot < capacity) & (rank_major < n_experts)
+    return keep.view(K, N).t()
+
+
+def expert_choice_tokens(probs: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert choice for experts: each expert takes its top-``capacity`` tokens by probability.
+
+    probs: [N, E] -> (tokens [E, C] int64 token ids sorted by position, weights [E, C]).
+    Ties go to the earlier token. A token may be taken by several experts or by none.
+    """
+    N, E = probs.shape
+    C = min(capacity, N)
+    order = torch.sort(probs.detach().t(), dim=-1, descending=True, stable=True).indices[:, :C]
+    tokens = torch.sort(order, dim=-1).values  # [E, C]
+    return tokens, probs.t().gather(1, tokens)

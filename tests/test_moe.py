@@ -1,0 +1,228 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mode.experts.grouped_gemm import get_backend, gmm_loop, gmm_torch, resolve_name
+from mode.experts.moe import CapacityMoE, DroplessMoE
+from mode.experts.permute import combine, permute, sort_by_expert, sorted_weights, unpermute
+from mode.layers.blocks import MoEBlock
+from mode.routing.token_choice import capacity_keep, expert_capacity
+from tests.reference import moe_reference
+
+D, F_, E, N = 16, 32, 4, 24
+TOL = {"atol": 1e-5, "rtol": 1e-4}
+
+
+def make(cls=DroplessMoE, top_k=2, **kw):
+    layer = cls(D, F_, E, top_k, **kw)
+    torch.nn.init.normal_(layer.router.weight, std=0.5)
+    for w in (layer.experts.w1, layer.experts.w2):
+        torch.nn.init.normal_(w, std=0.3)
+    return layer
+
+
+def grads_of(out, layer, x, g):
+    params = [x, layer.router.weight, layer.experts.w1, layer.experts.w2]
+    return torch.autograd.grad(out, params, g, allow_unused=True)
+
+
+def assert_matches_reference(layer, x, **ref_kw):
+    out = layer(x)
+    ref = moe_reference(layer, x, **ref_kw)
+    torch.testing.assert_close(out, ref, **TOL)
+    g = torch.randn_like(out)
+    for a, b, name in zip(
+        grads_of(out, layer, x, g), grads_of(ref, layer, x, g), ["x", "router", "w1", "w2"], strict=True
+    ):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+        assert b.abs().max() > 1e-3, name  # the gradient is far above atol
+    return out
+
+
+CASES = [(k, b) for k in (1, 2) for b in ("loop", "torch")]
+
+
+@pytest.mark.parametrize("top_k,backend", CASES, ids=[f"top{k}-{b}" for k, b in CASES])
+def test_dropless_equals_loop_reference(top_k, backend):
+    layer = make(top_k=top_k, backend=backend)
+    assert_matches_reference(layer, torch.randn(N, D, requires_grad=True))
+
+
+@pytest.mark.parametrize("top_k,backend", CASES, ids=[f"top{k}-{b}" for k, b in CASES])
+def test_dropless_with_one_expert_taking_all_tokens(top_k, backend):
+    layer = make(top_k=top_k, backend=backend)
+    with torch.no_grad():
+        layer.router.weight.fill_(-0.1)
+        layer.router.weight[0].fill_(0.1)  # x > 0: every token's first choice is expert 0
+        layer.router.weight[1, 0] = 0.5  # second choice always expert 1; experts 2, 3 get nothing
+    x = (torch.rand(N, D) + 0.1).requires_grad_(True)
+    assert_matches_reference(layer, x)
+    load = layer.metrics["load"]
+    assert load[0] == pytest.approx(1.0 / top_k) and load[3] == 0
+
+
+@pytest.mark.parametrize("materialized", [False, True], ids=["expanded-grad", "materialized-grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_grouped_mm_autograd_equals_loop(materialized, dtype):
+    counts = torch.tensor([5, 0, 12, 3, 0, 8])
+    x = torch.randn(int(counts.sum()), 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(6, 16, 32, dtype=dtype, requires_grad=True)
+    grads = []
+    for fn in (gmm_torch, gmm_loop):
+        y = fn(x, w, counts)
+        if materialized:
+            y.backward(torch.ones_like(y) * 0.5)
+        else:
+            y.sum().backward()  # an expanded, zero-stride incoming gradient
+        grads.append((y.detach(), x.grad.clone(), w.grad.clone()))
+        x.grad = w.grad = None
+    tol = {"atol": 5e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else TOL
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    assert torch.all(grads[0][2][[1, 4]] == 0)  # experts with no rows get zero weight gradient
+
+
+def test_torch_backend_odd_row_count_backward():
+    counts = torch.tensor([3, 2, 0])  # 5 rows: not a multiple of the 16-byte alignment
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(3, 8, 8, requires_grad=True)
+    gmm_torch(x, w, counts).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    gmm_loop(x, w, counts).sum().backward()
+    torch.testing.assert_close(gx, x.grad, **TOL)
+    torch.testing.assert_close(gw, w.grad, **TOL)
+
+
+@pytest.mark.parametrize("policy", ["position", "probs"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_capacity_drops_exactly_the_documented_overflow(policy, top_k):
+    layer = make(CapacityMoE, top_k=top_k, capacity_factor=0.75, drop_policy=policy)
+    with torch.no_grad():
+        layer.router.weight[0] += 0.4  # skew toward expert 0 so it overflows
+    x = torch.randn(N, D, requires_grad=True)
+    C = layer.capacity(N)
+    assert C == expert_capacity(N, top_k, E, 0.75)
+    assert_matches_reference(layer, x, capacity=C, policy=policy)
+    assert layer.metrics["drop_fraction"] > 0
+
+
+def test_capacity_keep_hand_worked():
+    # 4 tokens, top-1, 2 experts with capacity 2: token order decides ("position").
+    experts = torch.tensor([[0], [0], [1], [0]])
+    weights = torch.tensor([[0.2], [0.9], [0.5], [0.7]])
+    assert capacity_keep(experts, weights, 2, 2, "position").view(-1).tolist() == [True, True, True, False]
+    assert capacity_keep(experts, weights, 2, 2, "probs").view(-1).tolist() == [False, True, True, True]
+    # top-2: all first choices are served before any second choice.
+    experts2 = torch.tensor([[1, 0], [0, 1], [0, 1]])
+    keep = capacity_keep(experts2, torch.ones(3, 2), 2, 2, "position")
+    assert keep.tolist() == [[True, False], [True, True], [True, False]]
+
+
+def test_capacity_equals_dropless_when_capacity_is_large():
+    dropless = make(top_k=2)
+    cap = CapacityMoE(D, F_, E, 2, capacity_factor=float(E))  # C >= N: nothing can drop
+    cap.load_state_dict(dropless.state_dict())  # same parameters: one checkpoint loads in both
+    x = torch.randn(N, D)
+    torch.testing.assert_close(cap(x), dropless(x), **TOL)
+    assert cap.metrics["drop_fraction"] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 30), e=st.integers(1, 6), k=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_property_permute_then_unpermute_is_identity(n, e, k, seed):
+    k = min(k, e)
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    x = torch.randn(n, 5, generator=gen)
+    dispatch = sort_by_expert(experts, e)
+    xs = permute(x, dispatch)
+    assert dispatch.counts.tolist() == torch.bincount(experts.view(-1), minlength=e).tolist()
+    sorted_experts = experts.view(-1)[dispatch.order]
+    assert torch.all(sorted_experts[1:] >= sorted_experts[:-1])  # grouped by expert
+    w = torch.full((dispatch.order.numel(),), 1.0 / k)
+    torch.testing.assert_close(unpermute(xs, dispatch.token_idx, w, n), x, **TOL)
+    torch.testing.assert_close(combine(xs, dispatch, torch.full((n, k), 1.0 / k)), x, **TOL)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 20), e=st.integers(2, 5), k=st.integers(1, 2), drop=st.floats(0, 1), seed=st.integers(0, 99))
+def test_property_combine_equals_unpermute_with_drops(n, e, k, drop, seed):
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    keep = torch.rand(n, k, generator=gen) >= drop
+    dispatch = sort_by_expert(experts, e, keep)
+    y = torch.randn(dispatch.order.numel(), 4, generator=gen, requires_grad=True)
+    w = torch.rand(n, k, generator=gen, requires_grad=True)
+    fast = combine(y, dispatch, w)
+    ref = unpermute(y, dispatch.token_idx, sorted_weights(w, dispatch), n)
+    torch.testing.assert_close(fast, ref, **TOL)
+    g = torch.randn(n, 4, generator=gen)
+    for a, b in zip(
+        torch.autograd.grad(fast, [y, w], g, allow_unused=True),
+        torch.autograd.grad(ref, [y, w], g, allow_unused=True),
+        strict=True,
+    ):
+        if b is None or a is None:
+            assert a is None or a.abs().max() == 0
+            continue
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_expert_choice_router_matches_reference():
+    layer = make(router="expert_choice", capacity_factor=1.0)
+    x = torch.randn(N, D)
+    probs = torch.softmax(layer.router(x).float(), dim=-1)
+    C = expert_capacity(N, 2, E, 1.0)
+    ref = torch.zeros(N, D)
+    for e in range(E):
+        top = sorted(range(N), key=lambda n: (-probs[n, e].item(), n))[:C]
+        for n in top:
+            ref[n] += probs[n, e] * (torch.nn.functional.gelu(x[n] @ layer.experts.w1[e]) @ layer.experts.w2[e])
+    torch.testing.assert_close(layer(x), ref, **TOL)
+    assert layer.metrics["dispatched"] == E * C
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_shared_expert_and_swiglu(mlp):
+    layer = DroplessMoE(D, F_, E, 2, mlp=mlp, shared_expert=True)
+    x = torch.randn(N, D)
+    out = layer(x)
+    layer.shared = None
+    routed = layer(x)
+    assert (out - routed).abs().max() > 0  # the shared expert contributes
+    assert out.shape == x.shape
+
+
+def test_moe_block_torch_compile():
+    blk = MoEBlock(D, 4, make(backend="torch"))
+    x = torch.randn(2, 8, D)
+    compiled = torch.compile(blk)
+    torch.testing.assert_close(compiled(x), blk(x), **TOL)
+
+
+def test_backend_registry_explains_itself():
+    assert resolve_name("auto", "cpu", torch.float32, 512, 1024) == "torch"
+    assert resolve_name("auto", "cpu", torch.float64, 512, 1024) == "loop"
+    assert resolve_name("auto", "cpu", torch.float32, 6, 10) == "loop"  # rows not 16-byte aligned
+    with pytest.raises(RuntimeError, match="CUDA"):
+        get_backend("megablocks", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="backend"):
+        get_backend("cutlass_magic")
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"top_k": 5}, "top_k"),
+        ({"capacity_factor": 0.0}, "capacity_factor"),
+        ({"backend": "nope"}, "backend"),
+        ({"drop_policy": "random"}, "drop_policy"),
+    ],
+    ids=["top_k>E", "capacity_factor<=0", "unknown-backend", "bad-policy"],
+)
+def test_bad_layer_arguments(kwargs, field):
+    args = {"top_k": 2, **kwargs}
+    with pytest.raises(ValueError, match=field):
+        CapacityMoE(D, F_, E, **args)
