@@ -2,15 +2,21 @@
 
 from mode.aux import aux_loss, routing_metrics
 from mode.config import Config, load_config
-from mode.layers.blocks import DenseBlock, MoDBlock
+from mode.experts.moe import CapacityMoE, DroplessMoE
+from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoDBlock, MoEBlock, StagedMoDEBlock
 from mode.model import MoDETransformer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CapacityMoE",
     "Config",
     "DenseBlock",
+    "DroplessMoE",
+    "IntegratedMoDEBlock",
     "MoDBlock",
+    "MoEBlock",
+    "StagedMoDEBlock",
     "MoDETransformer",
     "aux_loss",
     "load_config",

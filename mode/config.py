@@ -267,13 +267,24 @@ def _resolve(preset: str | Path) -> Path:
     raise FileNotFoundError(f"no config {str(preset)!r}: give a YAML path or one of {preset_names()}")
 
 
+def _preset_layers(preset: str | Path, seen: tuple[Path, ...] = ()) -> list:
+    """A preset's YAML, preceded by the presets it names under ``base:`` (recursively)."""
+    path = _resolve(preset)
+    if path in seen:
+        raise ValueError(f"base: presets form a cycle through {path.name}")
+    node = OmegaConf.load(path)
+    base = node.pop("base", None)
+    return ([*_preset_layers(base, (*seen, path))] if base else []) + [node]
+
+
 def load_config(preset: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Build a validated ``Config`` from defaults, a preset (name in ``configs/`` or a YAML
-    path) and CLI dotlist overrides such as ``["model.n_layers=8"]``."""
+    path; a preset may start from another with ``base: <name>``) and CLI dotlist overrides
+    such as ``["model.n_layers=8"]``."""
     schema = OmegaConf.structured(Config)
     layers = [schema]
     if preset is not None:
-        layers.append(OmegaConf.load(_resolve(preset)))
+        layers.extend(_preset_layers(preset))
     if overrides:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
     try:

@@ -231,13 +231,16 @@ def print_flops(cfg: Config) -> None:
     print(f"  train FLOPs/step   {train_flops_per_step(cfg.model, cfg.train.batch_size):,}")
 
 
-def active_params(model: MoDETransformer) -> int:
-    """Parameters a token touches on average: experts count ``top_k/E`` of their weights."""
-    total = 0
+def active_params(model: torch.nn.Module) -> int:
+    """Parameters a token touches on average: expert weights count ``active_share()`` of their
+    size (top_k / E, less the no-op share); tied weights count once."""
+    total, seen = 0, set()
     for module in model.modules():
         share = getattr(module, "active_share", None)
-        own = sum(p.numel() for p in module.parameters(recurse=False))
-        total += round(own * share()) if callable(share) else own
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        n = sum(p.numel() for p in own)
+        total += round(n * share()) if callable(share) else n
     return total
 
 
