@@ -54,6 +54,8 @@ def block_flops(kind: str, cfg: ModelConfig, seq_len: int | None = None) -> int:
     if kind in ("mod", "mode_staged"):
         k = capacity_to_k(cfg.mod.capacity, T)
         router = 2 * T * d
+        if cfg.mod.causal == "predictor":  # the routing predictor runs on every token
+            router += 2 * T * cfg.mod.predictor_hidden * (d + 1)
         inner = mlp_flops(k, d, cfg.mlp_ratio * d) if kind == "mod" else moe_flops(k, cfg)
         return router + attention_flops(k, d) + (inner if k else 0)
     if kind in ("moe", "moe_capacity"):

@@ -13,7 +13,8 @@ from torch import nn
 
 from mode.config import ModelConfig
 from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer
-from mode.layers.blocks import DenseBlock, MoDBlock, MoEBlock
+from mode.layers.blocks import DenseBlock, MoDBlock, MoEBlock, check_routing
+from mode.layers.kv_cache import KVCache
 
 
 def build_moe(cfg: ModelConfig, capacity: bool = False, n_noop: int = 0) -> MoELayer:
@@ -52,13 +53,20 @@ def build_block(kind: str, cfg: ModelConfig) -> nn.Module:
     d, h, rope = cfg.d_model, cfg.n_heads, cfg.rope_base
     if kind == "dense":
         return DenseBlock(d, h, cfg.mlp_ratio, rope)
+    mod = {
+        "gate": cfg.mod.gate,
+        "rope_base": rope,
+        "causal": cfg.mod.causal,
+        "causal_coef": cfg.mod.causal_coef,
+        "predictor_hidden": cfg.mod.predictor_hidden,
+    }
     if kind == "mod":
-        return MoDBlock(d, h, cfg.mod.capacity, cfg.mlp_ratio, cfg.mod.gate, rope)
+        return MoDBlock(d, h, cfg.mod.capacity, cfg.mlp_ratio, **mod)
     if kind in ("moe", "moe_capacity"):
         return MoEBlock(d, h, build_moe(cfg, capacity=kind == "moe_capacity"), rope)
     if kind == "mode_staged":
         inner = MoEBlock(d, h, build_moe(cfg), rope)
-        return MoDBlock(d, h, cfg.mod.capacity, gate=cfg.mod.gate, rope_base=rope, inner=inner)
+        return MoDBlock(d, h, cfg.mod.capacity, inner=inner, **mod)
     if kind == "mode_integrated":
         return MoEBlock(d, h, build_moe(cfg, n_noop=cfg.moe.n_noop), rope)
     raise ValueError(f"unknown block kind {kind!r}")
@@ -97,33 +105,81 @@ class MoDETransformer(nn.Module):
         return n - self.tok_emb.weight.numel() if exclude_embedding else n
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        routing: str = "topk",
+        caches: list[KVCache] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: [B, T]. ``routing="causal"`` makes every MoD decision per token (no
+        token's output depends on later tokens); ``caches`` (from ``new_caches``) are filled
+        with the keys/values of the tokens each block computed, for ``decode``.
+
+        Sequences longer than ``seq_len`` run (RoPE is computed per position) but are
+        extrapolation: the model was trained on ``seq_len``.
+        """
+        check_routing(routing)
         B, T = idx.shape
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
         positions = torch.arange(T, device=idx.device).expand(B, T)
         x = self.tok_emb(idx)
-        for block in self.blocks:
-            x = block(x, positions)
+        for i, block in enumerate(self.blocks):
+            x = block(x, positions, routing=routing, cache=caches[i] if caches is not None else None)
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
 
+    def new_caches(self, batch: int) -> list[KVCache]:
+        """One empty KV cache per block, for ``forward(..., routing="causal", caches=...)`` + ``decode``."""
+        p = self.tok_emb.weight
+        return [block.new_cache(batch, p.dtype, p.device) for block in self.blocks]
+
+    def decode(self, idx: torch.Tensor, position: int, caches: list[KVCache]) -> torch.Tensor:
+        """One token per row, idx: [B, 1] at ``position``, against filled caches -> logits [B, V].
+        In a routed block a token that skips costs nothing and writes no KV entry."""
+        B = idx.shape[0]
+        positions = torch.full((B,), position, dtype=torch.long, device=idx.device)
+        x = self.tok_emb(idx)
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x = block.decode(x, positions, cache)
+        return self.lm_head(self.norm(x))[:, -1]
+
+    def supports_causal(self) -> bool:
+        """True when every routed block can decide per token (so KV-cache sampling is exact)."""
+        return all(getattr(b, "causal", "none") != "none" for b in self.blocks if isinstance(b, MoDBlock))
+
     @torch.no_grad()
     def generate(
-        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        use_cache: bool | None = None,
     ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` tokens after ``idx`` ([B, T0]) by re-running the full forward
-        on the last ``seq_len`` tokens (top-k routing sees the whole window)."""
-        for _ in range(max_new_tokens):
-            window = idx[:, -self.cfg.seq_len :]
-            logits, _ = self(window)
-            next_id = sample_next(logits[:, -1, :], temperature, top_k)
-            idx = torch.cat((idx, next_id), dim=1)
-        return idx
+        """Sample ``max_new_tokens`` tokens after ``idx`` ([B, T0]) -> [B, T0 + max_new_tokens].
+
+        With a KV cache (default when every MoD block has a causal method, or there are none),
+        routing is causal and a skipped token writes no cache entry. Without it, each step
+        re-runs the top-k forward on the last ``seq_len`` tokens.
+        """
+        if use_cache is None:
+            use_cache = self.supports_causal()
+        if not use_cache:
+            for _ in range(max_new_tokens):
+                logits, _ = self(idx[:, -self.cfg.seq_len :])
+                idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
+            return idx
+        if max_new_tokens <= 0:
+            return idx
+        caches = self.new_caches(idx.shape[0])
+        logits, _ = self(idx, routing="causal", caches=caches)
+        out = [idx, sample_next(logits[:, -1, :], temperature, top_k)]
+        for step in range(max_new_tokens - 1):
+            logits = self.decode(out[-1], idx.shape[1] + step, caches)
+            out.append(sample_next(logits, temperature, top_k))
+        return torch.cat(out, dim=1)
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:

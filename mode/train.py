@@ -26,6 +26,7 @@ from mode.aux import aux_loss, routing_metrics
 from mode.config import Config, ModelConfig, TrainConfig, load_config, to_dict
 from mode.data import TokenSplit, load_splits
 from mode.flops import train_flops_per_step
+from mode.layers.blocks import MoDBlock
 from mode.model import MoDETransformer
 
 
@@ -50,19 +51,25 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
 
 
 @torch.no_grad()
-def evaluate(model: MoDETransformer, split: TokenSplit, batch_size: int, n_batches: int, **forward_kw) -> float:
-    """Mean cross-entropy (nats/token) over fixed windows of ``split`` (same for every model)."""
+def evaluate(
+    model: MoDETransformer, split: TokenSplit, batch_size: int, n_batches: int, routing: str = "topk"
+) -> tuple[float, dict[str, float]]:
+    """Mean cross-entropy (nats/token) over fixed windows of ``split`` (the same windows for
+    every model) and the mean of each scalar routing metric over those batches."""
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
-    losses = []
+    losses, metrics = [], {}
     for _ in range(n_batches):
         x, y = split.batch(batch_size, gen)
-        _, loss = model(x.to(device), y.to(device), **forward_kw)
+        _, loss = model(x.to(device), y.to(device), routing=routing)
         losses.append(loss.item())
+        for key, value in routing_metrics(model).items():
+            if isinstance(value, float | int):
+                metrics[key] = metrics.get(key, 0.0) + value / n_batches
     model.train(was_training)
-    return sum(losses) / len(losses)
+    return sum(losses) / len(losses), metrics
 
 
 def save_checkpoint(
@@ -118,6 +125,7 @@ class TrainResult:
     steps: int
     train_loss: float
     val_loss: float
+    val_loss_causal: float = float("nan")
     step_times: list[float] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)  # eval points: step, seconds, flops, val_loss
 
@@ -158,6 +166,8 @@ def train(
     log = open(out_dir / "metrics.jsonl", "a" if start else "w")  # noqa: SIM115
     flops_per_step = train_flops_per_step(cfg.model, tc.batch_size)
     result = TrainResult(steps=start, train_loss=float("nan"), val_loss=float("nan"))
+    # Models with MoD blocks that can decide per token are also evaluated in causal mode.
+    causal_eval = model.supports_causal() and any(isinstance(b, MoDBlock) for b in model.blocks)
     t_start = time.perf_counter()
     bar = tqdm(range(start, tc.steps), disable=not tc.progress, desc=cfg.name, dynamic_ncols=True)
     model.train()
@@ -191,19 +201,26 @@ def train(
             record["grad_norm"] = float(grad_norm)
         out_of_time = bool(tc.max_seconds and elapsed >= tc.max_seconds) or done == stop_at
         last = done == tc.steps or out_of_time
-        if done % tc.eval_every == 0 or last:
-            result.val_loss = evaluate(model, val_split, tc.batch_size, tc.eval_batches)
+        evaluating = done % tc.eval_every == 0 or last
+        if done % tc.log_every == 0 or evaluating:
+            record.update(routing_metrics(model))  # of this training step, before eval overwrites them
+        if evaluating:
+            result.val_loss, _ = evaluate(model, val_split, tc.batch_size, tc.eval_batches)
             record["val_loss"] = result.val_loss
-            result.history.append(
-                {
-                    "step": done,
-                    "seconds": sum(result.step_times),
-                    "flops": done * flops_per_step,
-                    "val_loss": result.val_loss,
-                }
-            )
-        if done % tc.log_every == 0 or "val_loss" in record:
-            record.update(routing_metrics(model))
+            point = {
+                "step": done,
+                "seconds": sum(result.step_times),
+                "flops": done * flops_per_step,
+                "val_loss": result.val_loss,
+            }
+            if causal_eval:
+                result.val_loss_causal, causal_metrics = evaluate(
+                    model, val_split, tc.batch_size, tc.eval_batches, routing="causal"
+                )
+                point["val_loss_causal"] = record["val_loss_causal"] = result.val_loss_causal
+                record.update({f"{k}@causal_eval": v for k, v in causal_metrics.items() if "causal_share" in k})
+            result.history.append(point)
+        if done % tc.log_every == 0 or evaluating:
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{result.train_loss:.3f}", val=f"{result.val_loss:.3f}")
@@ -260,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     model, result = train(cfg)
     print(
         f"{cfg.name}: {result.steps} steps, train loss {result.train_loss:.4f}, val loss {result.val_loss:.4f} "
-        f"({result.val_loss / math.log(2):.3f} bits/byte), median step {1000 * result.median_step_time:.1f} ms"
+        f"({result.val_loss / math.log(2):.3f} bits/byte), causal-routing val loss {result.val_loss_causal:.4f}, "
+        f"median step {1000 * result.median_step_time:.1f} ms"
     )
     if args.sample:
         from mode.data import decode, encode  # noqa: PLC0415

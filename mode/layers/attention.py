@@ -54,11 +54,35 @@ class CausalSelfAttention(nn.Module):
         B, H, T, Dh = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, H * Dh))
 
+    def attend(
+        self, x: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, D] -> (out [B, T, D], k, v [B, H, T, Dh]).
+
+        ``key_mask`` ([B, T] bool) restricts the keys to the marked tokens (causal routing:
+        only routed tokens are visible); every query also sees itself, so rows stay finite.
+        """
+        q, k, v = self.project_qkv(x, positions)
+        if key_mask is None:
+            # NOTE: positions are ascending within a row, so "causal in token order" is
+            # "causal by original position".
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            T = x.shape[1]
+            causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device))
+            allowed = causal & (key_mask[:, None, :] | torch.eye(T, dtype=torch.bool, device=x.device))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+        return self.output(y), k, v
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
-        q, k, v = self.project_qkv(x, positions)
-        # NOTE: positions are ascending within a row, so "causal in token order" is
-        # "causal by original position".
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.output(y)
+        return self.attend(x, positions)[0]
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, cache, rows: torch.Tensor) -> torch.Tensor:
+        """One new token per row: x [b, 1, D] at ``positions`` [b] for cache rows ``rows`` [b].
+        Appends its key/value to the cache, then attends over the row's cached entries."""
+        q, k, v = self.project_qkv(x, positions[:, None])
+        cache.append(rows, k, v)
+        keys, values, mask = cache.view(rows)
+        return self.output(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))

@@ -1,4 +1,4 @@
-"""Transformer blocks sharing one interface: ``block(x, positions=None) -> x``.
+"""Transformer blocks sharing one interface: ``block(x, positions=None, routing="topk", cache=None) -> x``.
 
 Legend: B batch, T tokens, D model dim, k tokens chosen per sequence by a MoD router.
 ``x: [B, T, D]``; ``positions: [B, T]`` original token positions (default ``arange(T)``).
@@ -6,6 +6,10 @@ Legend: B batch, T tokens, D model dim, k tokens chosen per sequence by a MoD ro
 Every block exposes ``delta(x, positions) = f(x)``, the residual update of a pre-norm block
 (attention then MLP), so that routing can wrap any block: a MoD block computes
 ``x_i + g(r_i) * f(x_i)`` on its chosen tokens and leaves the others exactly ``x_i``.
+
+``routing="causal"`` makes every routing decision per token (no look at later tokens), and
+``cache`` (a ``KVCache``) is filled with the keys/values of the tokens that went through the
+block; ``decode`` then runs one new token per row against that cache.
 """
 
 from __future__ import annotations
@@ -16,21 +20,26 @@ from torch import nn
 from mode.aux import Routed
 from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer
 from mode.layers.attention import CausalSelfAttention
+from mode.layers.kv_cache import KVCache
 from mode.layers.mlp import MLP
-from mode.routing.expert_choice import (
-    capacity_to_k,
-    expert_choice_topk,
-    scatter_add_tokens,
-    take_tokens,
-)
+from mode.layers.predictor import RoutingPredictor
+from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
+from mode.routing.expert_choice import capacity_to_k, expert_choice_topk, scatter_add_tokens, take_tokens
 
 GATES = {"sigmoid": torch.sigmoid, "identity": lambda r: r, "none": torch.ones_like}
+CAUSAL_METHODS = ("none", "router_bce", "predictor")
+ROUTING_MODES = ("topk", "causal")
 
 
 def default_positions(x: torch.Tensor) -> torch.Tensor:
     """[B, T] positions 0..T-1 for x: [B, T, D]."""
     B, T, _ = x.shape
     return torch.arange(T, device=x.device).expand(B, T)
+
+
+def check_routing(routing: str) -> None:
+    if routing not in ROUTING_MODES:
+        raise ValueError(f"routing={routing!r} is invalid: choose one of {list(ROUTING_MODES)}")
 
 
 class TransformerBlock(nn.Module):
@@ -43,15 +52,45 @@ class TransformerBlock(nn.Module):
         self.norm2 = nn.LayerNorm(d_model, bias=False)
         self.mlp = mlp
 
-    def delta(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """f(x): the block's residual update, so that ``forward(x) = x + f(x)``."""
+    def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return KVCache(batch, self.attn.n_heads, self.attn.head_dim, dtype, device)
+
+    def delta(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """f(x): the block's residual update, so that ``forward(x) = x + f(x)``. With
+        ``key_mask`` ([B, T]) attention sees only the marked tokens, and only they are cached."""
         if positions is None:
             positions = default_positions(x)
-        h = self.attn(self.norm1(x), positions)
+        h, k, v = self.attn.attend(self.norm1(x), positions, key_mask)
+        if cache is not None:
+            cache.fill(k, v, key_mask)
         return h + self.mlp(self.norm2(x + h))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return x + self.delta(x, positions)
+    def delta_decode(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """f(x) for one new token per row: x [b, 1, D], positions [b], cache rows ``rows`` [b]."""
+        h = self.attn.decode(self.norm1(x), positions, cache, rows)
+        return h + self.mlp(self.norm2(x + h))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        routing: str = "topk",
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        return x + self.delta(x, positions, cache=cache)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x: [B, 1, D] new tokens at ``positions`` [B] -> [B, 1, D]."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        return x + self.delta_decode(x, positions, cache, rows)
 
 
 class DenseBlock(TransformerBlock):
@@ -69,6 +108,9 @@ class MoDBlock(Routed):
     Args:
         capacity: share of tokens routed through the block, in [0, 1].
         gate: g in ``x + g(r) f(x)``: "sigmoid" (default), "identity" (the paper) or "none" (g = 1).
+        causal: per-token decision for sampling: "none", "router_bce" (router logit trained by
+            BCE toward top-k membership) or "predictor" (small MLP on ``x.detach()``).
+        causal_coef: coefficient of that BCE loss.
         inner: the block to route around (default: a ``DenseBlock``); must have ``delta``.
     """
 
@@ -81,39 +123,103 @@ class MoDBlock(Routed):
         gate: str = "sigmoid",
         rope_base: float = 10000.0,
         inner: TransformerBlock | None = None,
+        causal: str = "none",
+        causal_coef: float = 0.01,
+        predictor_hidden: int = 64,
     ) -> None:
         super().__init__()
         capacity_to_k(capacity, 1)  # validates the range
         if gate not in GATES:
             raise ValueError(f"gate={gate!r} is invalid: choose one of {list(GATES)}")
-        self.capacity = capacity
-        self.gate = gate
+        if causal not in CAUSAL_METHODS:
+            raise ValueError(f"causal={causal!r} is invalid: choose one of {list(CAUSAL_METHODS)}")
+        self.capacity, self.gate, self.causal, self.causal_coef = capacity, gate, causal, causal_coef
         self.router = nn.Linear(d_model, 1, bias=False)
+        self.predictor = RoutingPredictor(d_model, predictor_hidden) if causal == "predictor" else None
         self.block = inner if inner is not None else DenseBlock(d_model, n_heads, mlp_ratio, rope_base)
+
+    def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return self.block.new_cache(batch, dtype, device)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T] router scores in at least float32 (bf16 ties are common)."""
         scores = self.router(x).squeeze(-1)
         return scores.to(torch.promote_types(scores.dtype, torch.float32))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def decision_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token routing logit used in causal mode ([B, T]); routed when > 0."""
+        if self.causal == "none":
+            raise ValueError(
+                "routing='causal' needs a causal decision method: build the MoD block with "
+                "causal='router_bce' or causal='predictor' (config: model.mod.causal)"
+            )
+        return self.predictor(x).float() if self.predictor is not None else self.router_logits(x)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        routing: str = "topk",
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        check_routing(routing)
         if positions is None:
             positions = default_positions(x)
-        # NOTE: selection needs every token's score but only chosen tokens get gradient, so the
-        # scores are computed without autograd and recomputed with it on the k chosen tokens:
-        # the router's backward then costs k*D instead of T*D per sequence.
-        with torch.no_grad():
-            scores = self.router_logits(x)  # [B, T]
+        if routing == "causal":
+            return self._forward_causal(x, positions, cache)
+        if cache is not None:
+            raise ValueError("a KV cache needs routing='causal' (top-k routing looks at later tokens)")
+        return self._forward_topk(x, positions)
+
+    def _forward_topk(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.clear_aux()
+        if self.causal == "router_bce":
+            scores = self.router_logits(x)  # every token's score gets the BCE gradient
+        else:
+            # NOTE: selection needs every token's score but only chosen tokens get gradient, so
+            # the scores are computed without autograd and recomputed on the k chosen tokens:
+            # the router's backward then costs k*D instead of T*D per sequence.
+            with torch.no_grad():
+                scores = self.router_logits(x)  # [B, T]
         plan = expert_choice_topk(scores, self.capacity)
+        self._record_causal_losses(x, scores, plan.mask)
         k = plan.indices.shape[1]
-        self.metrics = {"routed_share": k / x.shape[1]}
+        self.metrics["routed_share"] = k / x.shape[1]
         if k == 0:
             return x
         x_sel, x = take_tokens(x, plan.indices)  # [B, k, D] and the residual stream
-        weights = self.router_logits(x_sel)  # [B, k], differentiable
+        weights = plan.weights if scores.requires_grad else self.router_logits(x_sel)  # [B, k]
         delta = self.block.delta(x_sel, positions.gather(1, plan.indices))  # [B, k, D]
         g = GATES[self.gate](weights).unsqueeze(-1)  # [B, k, 1]
         return scatter_add_tokens(x, plan.indices, g.to(delta.dtype) * delta)
+
+    def _record_causal_losses(self, x: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor) -> None:
+        if self.causal == "none":
+            return
+        logits = self.predictor(x).float() if self.predictor is not None else scores
+        self.record_aux("causal_bce", membership_bce(logits, chosen), self.causal_coef)
+        for name, value in decision_metrics(logits, chosen).items():
+            self.metrics[f"decision_{name}"] = value
+
+    def _forward_causal(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """Each token decides alone; the block runs on all tokens with attention restricted to
+        routed keys, and only routed tokens take the update (and enter the cache)."""
+        self.clear_aux()
+        routed = causal_decisions(self.decision_logits(x))  # [B, T]
+        self.metrics["causal_share"] = routed.float().mean()
+        delta = self.block.delta(x, positions, key_mask=routed, cache=cache)
+        g = GATES[self.gate](self.router_logits(x)).unsqueeze(-1).to(delta.dtype)
+        return torch.where(routed.unsqueeze(-1), x + g * delta, x)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x: [B, 1, D] one new token per row; rows whose token skips cost nothing and write no KV."""
+        rows = causal_decisions(self.decision_logits(x)[:, 0]).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            return x
+        x_r = x.index_select(0, rows)
+        delta = self.block.delta_decode(x_r, positions.index_select(0, rows), cache, rows)
+        g = GATES[self.gate](self.router_logits(x_r)).unsqueeze(-1).to(delta.dtype)
+        return x.index_copy(0, rows, x_r + g * delta)
 
 
 class MoEBlock(TransformerBlock):
@@ -143,12 +249,23 @@ class StagedMoDEBlock(MoDBlock):
         gate: str = "sigmoid",
         dropless: bool = True,
         rope_base: float = 10000.0,
+        causal: str = "none",
+        causal_coef: float = 0.01,
         **moe_kwargs,
     ) -> None:
         cls = DroplessMoE if dropless else CapacityMoE
         moe = cls(d_model, d_ff or 4 * d_model // top_k, n_experts, top_k, **moe_kwargs)
         inner = MoEBlock(d_model, n_heads, moe, rope_base)
-        super().__init__(d_model, n_heads, capacity, gate=gate, rope_base=rope_base, inner=inner)
+        super().__init__(
+            d_model,
+            n_heads,
+            capacity,
+            gate=gate,
+            rope_base=rope_base,
+            inner=inner,
+            causal=causal,
+            causal_coef=causal_coef,
+        )
 
 
 class IntegratedMoDEBlock(MoEBlock):

@@ -1,0 +1,70 @@
+"""Per-layer key/value cache holding only the tokens that went through the layer.
+
+Legend: B batch rows, H heads, L cached entries, Dh head dim. Keys are stored after RoPE
+(at the tokens' original positions), so a routed layer's cache is a packed list of its
+routed tokens; each row has its own length, and memory grows with what is stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """k, v: [B, H, capacity, Dh] (capacity doubles as needed); lengths: [B] entries per row."""
+
+    def __init__(self, batch: int, n_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k = torch.empty(batch, n_heads, 0, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def _reserve(self, needed: int) -> None:
+        capacity = self.k.shape[2]
+        if needed <= capacity:
+            return
+        new_capacity = max(needed, 2 * capacity, 16)
+        pad = new_capacity - capacity
+        B, H, _, Dh = self.k.shape
+        self.k = torch.cat([self.k, self.k.new_zeros(B, H, pad, Dh)], dim=2)
+        self.v = torch.cat([self.v, self.v.new_zeros(B, H, pad, Dh)], dim=2)
+
+    def fill(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Store a prefill's keys/values k, v: [B, H, T, Dh]; only tokens with ``keep`` ([B, T]) if given."""
+        B, H, T, Dh = k.shape
+        if keep is None:
+            keep = torch.ones(B, T, dtype=torch.bool, device=k.device)
+        counts = keep.sum(dim=1)
+        self._reserve(int((self.lengths + counts).max()) if B else 0)
+        for b in range(B):
+            idx = keep[b].nonzero().squeeze(-1)
+            start = int(self.lengths[b])
+            self.k[b, :, start : start + idx.numel()] = k[b, :, idx]
+            self.v[b, :, start : start + idx.numel()] = v[b, :, idx]
+        self.lengths += counts
+
+    def append(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one entry to each of ``rows`` ([b]); k, v: [b, H, 1, Dh]."""
+        self._reserve(int(self.lengths[rows].max()) + 1)
+        pos = self.lengths[rows]
+        self.k[rows, :, pos] = k[:, :, 0]
+        self.v[rows, :, pos] = v[:, :, 0]
+        self.lengths[rows] += 1
+
+    def view(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values [b, H, L, Dh] of ``rows`` and the valid-entry mask [b, 1, 1, L]."""
+        lengths = self.lengths[rows]
+        L = int(lengths.max())
+        mask = torch.arange(L, device=lengths.device) < lengths[:, None]
+        return self.k[rows, :, :L], self.v[rows, :, :L], mask[:, None, None, :]
+
+    def entries(self) -> int:
+        """Number of cached tokens summed over rows."""
+        return int(self.lengths.sum())
+
+    def nbytes_used(self) -> int:
+        """Bytes of the stored keys and values (entries x heads x head dim x 2 x element size)."""
+        B, H, _, Dh = self.k.shape
+        return self.entries() * H * Dh * 2 * self.k.element_size()
+
+    def nbytes_allocated(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()

@@ -1,0 +1,197 @@
+"""Causal routing for sampling: causality, KV-cache decoding, predictor isolation, BCE."""
+
+import math
+
+import pytest
+import torch
+
+import mode
+from mode.config import load_config
+from mode.layers.blocks import MoDBlock
+from mode.model import MoDETransformer
+from mode.routing.causal import decision_metrics, membership_bce
+
+VARIANTS = [
+    ("mod", "router_bce"),
+    ("mod", "predictor"),
+    ("mode_staged", "predictor"),
+    ("mode_integrated", "predictor"),
+    ("dense", "none"),
+]
+IDS = [f"{layout}-{causal}" for layout, causal in VARIANTS]
+
+
+def make_model(layout: str, causal: str, seed: int = 0) -> MoDETransformer:
+    torch.manual_seed(seed)
+    cfg = load_config(
+        None,
+        [
+            "model.d_model=64",
+            "model.n_heads=4",
+            "model.n_layers=4",
+            "model.seq_len=64",
+            f"model.layout=dense,{layout}",
+            f"model.mod.causal={causal}",
+            "model.mod.capacity=0.5",
+            "model.moe.n_noop=4",
+            "model.moe.top_k=2",
+        ],
+    ).model
+    model = MoDETransformer(cfg).eval()
+    # Center every decision logit on a sample so that about half of the tokens skip.
+    inputs = {}
+    hooks = [
+        b.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m, args[0]))
+        for b in model.blocks
+        if isinstance(b, MoDBlock)
+    ]
+    with torch.no_grad():
+        model(torch.randint(0, 256, (4, 64)))
+        for block, x in inputs.items():
+            torch.nn.init.normal_(block.router.weight, std=0.3)
+            if block.predictor is not None:
+                block.predictor.out.bias -= block.predictor(x).median()
+    for h in hooks:
+        h.remove()
+    return model
+
+
+@pytest.mark.parametrize("layout,causal", VARIANTS, ids=IDS)
+def test_causal_mode_is_causal(layout, causal):
+    model = make_model(layout, causal)
+    idx = torch.randint(0, 256, (2, 48))
+    edited = idx.clone()
+    t = 20
+    edited[:, t:] = torch.randint(0, 256, (2, 48 - t))
+    with torch.no_grad():
+        a, _ = model(idx, routing="causal")
+        b, _ = model(edited, routing="causal")
+    assert (a[:, :t] - b[:, :t]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["mod", "mode_staged"])
+def test_topk_mode_is_not_causal(layout):
+    model = make_model(layout, "predictor")
+    idx = torch.randint(0, 256, (2, 48))
+    edited = idx.clone()
+    edited[:, 20:] = torch.randint(0, 256, (2, 28))
+    with torch.no_grad():
+        a, _ = model(idx, routing="topk")
+        b, _ = model(edited, routing="topk")
+    assert (a[:, :20] - b[:, :20]).abs().max() > 1e-3  # later tokens changed who got chosen
+
+
+@pytest.mark.parametrize("layout,causal", VARIANTS, ids=IDS)
+def test_kv_cache_decode_equals_full_causal_forward(layout, causal):
+    model = make_model(layout, causal)
+    B, T0, steps = 2, 8, 24
+    prompt = torch.randint(0, 256, (B, T0))
+    caches = model.new_caches(B)
+    with torch.no_grad():
+        logits, _ = model(prompt, routing="causal", caches=caches)
+        seq, step_logits = prompt, [logits[:, -1]]
+        for s in range(steps):
+            next_id = step_logits[-1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, next_id], dim=1)
+            step_logits.append(model.decode(next_id, T0 + s, caches))
+        full, _ = model(seq, routing="causal")
+    for s, lg in enumerate(step_logits):
+        torch.testing.assert_close(lg, full[:, T0 - 1 + s], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout,causal", VARIANTS[:3], ids=IDS[:3])
+def test_skipped_tokens_write_no_cache_entries(layout, causal):
+    model = make_model(layout, causal)
+    B, T = 2, 40
+    idx = torch.randint(0, 256, (B, T))
+    caches = model.new_caches(B)
+    decided = []
+    hooks = [
+        b.register_forward_hook(lambda m, a, out: decided.append(m.metrics["causal_share"]))
+        for b in model.blocks
+        if isinstance(b, MoDBlock)
+    ]
+    with torch.no_grad():
+        model(idx, routing="causal", caches=caches)
+    for h in hooks:
+        h.remove()
+    routed = iter(decided)
+    for block, cache in zip(model.blocks, caches, strict=True):
+        if isinstance(block, MoDBlock):
+            share = float(next(routed))
+            assert cache.entries() == round(share * B * T)
+            assert 0 < cache.entries() < B * T  # some tokens skipped: fewer entries than tokens
+        else:
+            assert cache.entries() == B * T
+
+
+def test_predictor_input_is_detached():
+    model = make_model("mod", "predictor")
+    model.train()
+    idx = torch.randint(0, 256, (2, 32))
+
+    def trunk_grads(coef: float) -> dict[str, torch.Tensor]:
+        for block in model.blocks:
+            if isinstance(block, MoDBlock):
+                block.causal_coef = coef
+        model.zero_grad()
+        _, loss = model(idx, idx)
+        (loss + mode.aux_loss(model)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if "predictor" not in n and p.grad is not None}
+
+    with_loss, without = trunk_grads(1.0), trunk_grads(0.0)
+    assert with_loss.keys() == without.keys()
+    for name in with_loss:
+        assert torch.equal(with_loss[name], without[name]), name
+    pred = next(b.predictor for b in model.blocks if isinstance(b, MoDBlock))
+    trunk_grads(1.0)
+    assert pred.fc.weight.grad.abs().max() > 0  # the predictor itself learns
+
+
+def test_router_bce_trains_the_router():
+    model = make_model("mod", "router_bce").train()
+    idx = torch.randint(0, 256, (2, 32))
+    model(idx, idx)
+    block = next(b for b in model.blocks if isinstance(b, MoDBlock))
+    assert "causal_bce" in block.aux_losses
+    block.aux_losses["causal_bce"].backward()
+    assert block.router.weight.grad.abs().max() > 0
+
+
+def test_bce_and_metrics_hand_computed():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0]])
+    chosen = torch.tensor([[True, False, False, True]])
+    expected = (
+        -(
+            math.log(1 / (1 + math.exp(-2.0)))
+            + math.log(1 - 1 / (1 + math.exp(1.0)))
+            + math.log(1 - 1 / (1 + math.exp(-0.5)))
+            + math.log(1 / (1 + math.exp(3.0)))
+        )
+        / 4
+    )
+    assert membership_bce(logits, chosen).item() == pytest.approx(expected, rel=1e-6)
+    m = decision_metrics(logits, chosen)  # routed: [T, F, T, F]
+    assert m["accuracy"].item() == pytest.approx(0.5)
+    assert m["recall"].item() == pytest.approx(0.5)
+    assert m["precision"].item() == pytest.approx(0.5)
+    assert m["causal_share"].item() == pytest.approx(0.5)
+
+
+def test_clear_errors():
+    model = make_model("mod", "none")
+    idx = torch.randint(0, 256, (1, 8))
+    with pytest.raises(ValueError, match="model.mod.causal"):
+        model(idx, routing="causal")
+    with pytest.raises(ValueError, match="routing"):
+        model(idx, routing="sideways")
+    with pytest.raises(ValueError, match="causal"):
+        model.blocks[1](torch.randn(1, 8, 64), cache=model.new_caches(1)[1])
+
+
+def test_generate_uses_the_cache_when_it_can():
+    model = make_model("mod", "predictor")
+    out = model.generate(torch.randint(0, 256, (2, 4)), 10, temperature=0)
+    assert out.shape == (2, 14)
+    no_cache = make_model("mod", "none").generate(torch.randint(0, 256, (1, 4)), 3)
+    assert no_cache.shape == (1, 7)
