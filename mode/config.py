@@ -189,7 +189,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 200
-    max_seconds: float = 0.0  # stop after this wall-clock budget; 0 = no limit
+    max_seconds: float = 0.0  # training wall-clock budget (steps + data, not eval); 0 = no limit
     batch_size: int = 16
     lr: float = 3e-3
     min_lr: float = 3e-4

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mode.aux import aux_loss, routing_metrics
@@ -28,6 +29,9 @@ from mode.data import TokenSplit, load_splits
 from mode.flops import train_flops_per_step
 from mode.layers.blocks import MoDBlock
 from mode.model import MoDETransformer
+from mode.parallel import checkpoint as sharded
+from mode.parallel.expert_parallel import clip_grad_norm, parallelize, reduce_expert_grads, wrap_data_parallel
+from mode.parallel.mesh import ParallelContext, destroy, init_mesh
 
 
 def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
@@ -52,19 +56,27 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
 
 @torch.no_grad()
 def evaluate(
-    model: MoDETransformer, split: TokenSplit, batch_size: int, n_batches: int, routing: str = "topk"
+    model: MoDETransformer,
+    split: TokenSplit,
+    batch_size: int,
+    n_batches: int,
+    routing: str = "topk",
+    ctx: ParallelContext | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Mean cross-entropy (nats/token) over fixed windows of ``split`` (the same windows for
-    every model) and the mean of each scalar routing metric over those batches."""
+    every model) and the mean of each scalar routing metric over those batches. Under
+    ``ctx`` each rank evaluates its rows of every batch and the losses are averaged."""
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
     losses, metrics = [], {}
+    world, rank = (ctx.world_size, ctx.rank) if ctx else (1, 0)
+    rows = slice(rank * batch_size // world, (rank + 1) * batch_size // world)
     for _ in range(n_batches):
         x, y = split.batch(batch_size, gen)
-        _, loss = model(x.to(device), y.to(device), routing=routing)
-        losses.append(loss.item())
+        _, loss = model(x[rows].to(device), y[rows].to(device), routing=routing)
+        losses.append(_mean_over_ranks(loss.item(), ctx))
         for key, value in routing_metrics(model).items():
             if isinstance(value, float | int):
                 metrics[key] = metrics.get(key, 0.0) + value / n_batches
@@ -139,6 +151,30 @@ def _check_vocab(model_cfg: ModelConfig, vocab: int) -> None:
         raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is too small: the data needs {vocab}")
 
 
+def _init_parallel(cfg: Config) -> ParallelContext | None:
+    """A ParallelContext when launched by torchrun (or asked for dp/ep > 1), else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    p = cfg.parallel
+    if world == 1 and p.dp_size * p.ep_size == 1:
+        return None
+    has_moe = any(k in ("moe", "mode_staged", "mode_integrated", "moe_capacity") for k in cfg.model.block_kinds())
+    ctx = init_mesh(p.dp_size, p.ep_size, cfg.model.moe.n_experts if has_moe else None)
+    if cfg.train.batch_size % ctx.world_size:
+        raise ValueError(
+            f"train.batch_size={cfg.train.batch_size} (the global batch) must be divisible by the world size "
+            f"{ctx.world_size}"
+        )
+    return ctx
+
+
+def _mean_over_ranks(value: float, ctx: ParallelContext | None) -> float:
+    if ctx is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / ctx.world_size
+
+
 def train(
     cfg: Config, model: MoDETransformer | None = None, stop_at: int | None = None
 ) -> tuple[MoDETransformer, TrainResult]:
@@ -146,53 +182,76 @@ def train(
 
     ``stop_at`` ends this run early after that step (with a checkpoint), as a preemption
     would; a later run with ``train.resume=true`` continues it exactly.
+
+    Under ``torchrun`` the global batch ``train.batch_size`` is split over the ranks (each
+    reads its own rows of the same sampled windows), experts are sharded over the "ep"
+    group, replicated parameters are averaged by DDP, and rank 0 alone logs and shows progress;
+    checkpoints are sharded (``torch.distributed.checkpoint``).
     """
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    torch.manual_seed(tc.seed)
+    ctx = _init_parallel(cfg)
+    rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
+    device = ctx.device if ctx else torch.device(tc.device)
+    torch.manual_seed(tc.seed)  # identical initial weights on every rank
     train_split, val_split, vocab = load_splits(
         cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir
     )
     _check_vocab(cfg.model, vocab)
-    model = (model or MoDETransformer(cfg.model)).to(tc.device)
+    model = (model or MoDETransformer(cfg.model)).to(device)
+    forward = model
+    if ctx is not None:
+        parallelize(model, ctx)
+        forward = wrap_data_parallel(model, ctx)
     opt = build_optimizer(model, tc)
     out_dir = Path(tc.out_dir)
-    ckpt = out_dir / "ckpt.pt"
+    ckpt = out_dir / ("ckpt" if ctx else "ckpt.pt")
     gen = torch.Generator().manual_seed(tc.seed)
-    start = load_checkpoint(ckpt, model, opt, gen) if tc.resume and ckpt.exists() else 0
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    log = open(out_dir / "metrics.jsonl", "a" if start else "w")  # noqa: SIM115
+    start = 0
+    if tc.resume and ckpt.exists():
+        start = _load_any(ckpt, model, opt, gen, ctx)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    log = open(out_dir / "metrics.jsonl", "a" if start else "w") if rank == 0 else None  # noqa: SIM115
+    rows = slice(rank * tc.batch_size // world, (rank + 1) * tc.batch_size // world)
     flops_per_step = train_flops_per_step(cfg.model, tc.batch_size)
     result = TrainResult(steps=start, train_loss=float("nan"), val_loss=float("nan"))
     # Models with MoD blocks that can decide per token are also evaluated in causal mode.
     causal_eval = model.supports_causal() and any(isinstance(b, MoDBlock) for b in model.blocks)
-    t_start = time.perf_counter()
-    bar = tqdm(range(start, tc.steps), disable=not tc.progress, desc=cfg.name, dynamic_ncols=True)
+    # NOTE: the wall-clock budget (max_seconds, the time-based schedule) counts training steps
+    # with their data loading, not evaluation or checkpoints, so that variants whose eval
+    # costs more (causal-mode eval) are not charged for it.
+    elapsed = 0.0
+    bar = tqdm(range(start, tc.steps), disable=not tc.progress or rank != 0, desc=cfg.name, dynamic_ncols=True)
     model.train()
-    step = start
     for step in bar:
-        lr = lr_at(step, tc, time.perf_counter() - t_start)
+        t_batch = time.perf_counter()
+        lr = lr_at(step, tc, elapsed)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = train_split.batch(tc.batch_size, gen)
+        x, y = train_split.batch(tc.batch_size, gen)  # the global batch; this rank takes its rows
         t0 = time.perf_counter()
-        _, loss = model(x.to(tc.device), y.to(tc.device))
+        _, loss = forward(x[rows].to(device), y[rows].to(device))
         aux = aux_loss(model)
         (loss + aux).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip) if tc.grad_clip else None
+        if ctx is not None:
+            reduce_expert_grads(model, ctx)
+        grad_norm = clip_grad_norm(model, tc.grad_clip, ctx) if tc.grad_clip else None
         opt.step()
         opt.zero_grad(set_to_none=True)
         after_optimizer_step(model)
         result.step_times.append(time.perf_counter() - t0)
-        result.train_loss = loss.item()
-        elapsed = time.perf_counter() - t_start
+        result.train_loss = _mean_over_ranks(loss.item(), ctx)
+        elapsed += time.perf_counter() - t_batch
+        if ctx is not None:  # every rank stops at the same step
+            elapsed = _mean_over_ranks(elapsed, ctx)
         done = step + 1
         record = {
             "step": done,
             "loss": result.train_loss,
-            "aux": aux.item(),
+            "aux": _mean_over_ranks(aux.item(), ctx),
             "lr": lr,
             "step_time": result.step_times[-1],
             "elapsed": elapsed,
@@ -205,34 +264,47 @@ def train(
         if done % tc.log_every == 0 or evaluating:
             record.update(routing_metrics(model))  # of this training step, before eval overwrites them
         if evaluating:
-            result.val_loss, _ = evaluate(model, val_split, tc.batch_size, tc.eval_batches)
+            result.val_loss, _ = evaluate(model, val_split, tc.batch_size, tc.eval_batches, ctx=ctx)
             record["val_loss"] = result.val_loss
-            point = {
-                "step": done,
-                "seconds": sum(result.step_times),
-                "flops": done * flops_per_step,
-                "val_loss": result.val_loss,
-            }
+            point = {"step": done, "seconds": elapsed, "flops": done * flops_per_step, "val_loss": result.val_loss}
             if causal_eval:
                 result.val_loss_causal, causal_metrics = evaluate(
-                    model, val_split, tc.batch_size, tc.eval_batches, routing="causal"
+                    model, val_split, tc.batch_size, tc.eval_batches, routing="causal", ctx=ctx
                 )
                 point["val_loss_causal"] = record["val_loss_causal"] = result.val_loss_causal
                 record.update({f"{k}@causal_eval": v for k, v in causal_metrics.items() if "causal_share" in k})
             result.history.append(point)
-        if done % tc.log_every == 0 or evaluating:
+        if log is not None and (done % tc.log_every == 0 or evaluating):
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{result.train_loss:.3f}", val=f"{result.val_loss:.3f}")
         if tc.ckpt_every and done % tc.ckpt_every == 0:
-            save_checkpoint(ckpt, model, opt, done, cfg, gen)
+            _save_any(ckpt, model, opt, done, cfg, gen, ctx)
         result.steps = done
         if out_of_time:
             break
     bar.close()
-    log.close()
-    save_checkpoint(ckpt, model, opt, result.steps, cfg, gen)
+    if log is not None:
+        log.close()
+    _save_any(ckpt, model, opt, result.steps, cfg, gen, ctx)
     return model, result
+
+
+def _save_any(path: Path, model, opt, step: int, cfg: Config, gen: torch.Generator, ctx) -> None:
+    if ctx is None:
+        save_checkpoint(path, model, opt, step, cfg, gen)
+    else:
+        extra = {"step": step, "config": to_dict(cfg), "data_rng": gen.get_state(), "rng": torch.get_rng_state()}
+        sharded.save(path, model, ctx, extra, opt)
+
+
+def _load_any(path: Path, model, opt, gen: torch.Generator, ctx) -> int:
+    if ctx is None:
+        return load_checkpoint(path, model, opt, gen)
+    extra = sharded.load(path, model, ctx, opt)
+    gen.set_state(extra["data_rng"])
+    torch.set_rng_state(extra["rng"])
+    return int(extra["step"])
 
 
 def print_flops(cfg: Config) -> None:
@@ -274,13 +346,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_flops:
         print_flops(cfg)
         return
-    model, result = train(cfg)
+    try:
+        model, result = train(cfg)
+    finally:
+        destroy()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     print(
         f"{cfg.name}: {result.steps} steps, train loss {result.train_loss:.4f}, val loss {result.val_loss:.4f} "
         f"({result.val_loss / math.log(2):.3f} bits/byte), causal-routing val loss {result.val_loss_causal:.4f}, "
         f"median step {1000 * result.median_step_time:.1f} ms"
     )
-    if args.sample:
+    if args.sample and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         from mode.data import decode, encode  # noqa: PLC0415
 
         model.eval()
