@@ -25,13 +25,20 @@ def run_demo(
     """Train each variant of the ``demo`` preset for ``seconds``; returns one row per variant."""
     rows = []
     for variant in variants:
-        extra = [f"name={variant}", f"train.max_seconds={seconds}", f"train.out_dir=runs/demo/{variant}"]
+        extra = [
+            f"name={variant}",
+            f"train.max_seconds={seconds}",
+            f"train.out_dir=runs/demo/{variant}",
+            "train.progress=false",
+        ]
         if variant in LAYOUTS:
             extra.append(f"model.layout={LAYOUTS[variant]}")
         else:
             extra += [f"model.layout={variant}"]
         cfg = load_config("demo", extra + list(overrides or []))
+        print(f"training {variant} ({cfg.model.layout}) for {seconds:.0f} s ...", flush=True)
         model, result = train(cfg)
+        print(f"  {result.steps} steps, val loss {result.val_loss:.3f}", flush=True)
         model.eval()
         torch.manual_seed(0)
         sample = decode(model.generate(encode("ROMEO:"), sample_bytes, temperature=0.8, top_k=50)[0])

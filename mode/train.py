@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mode.aux import aux_loss, routing_metrics
-from mode.config import Config, ModelConfig, TrainConfig, load_config, to_dict
+from mode.config import Config, ModelConfig, TrainConfig, load_config, preset_names, to_dict
 from mode.data import TokenSplit, load_splits
 from mode.flops import train_flops_per_step
 from mode.layers.blocks import MoDBlock
@@ -307,17 +307,16 @@ def _load_any(path: Path, model, opt, gen: torch.Generator, ctx) -> int:
     return int(extra["step"])
 
 
-def print_flops(cfg: Config) -> None:
-    """Parameters, active parameters and FLOPs per token of ``cfg``'s model."""
+def print_flops(cfgs: list[Config]) -> None:
+    """Parameters, active parameters and FLOPs per token of each config's model, as a table."""
     from mode.flops import model_flops  # noqa: PLC0415
 
-    model = MoDETransformer(cfg.model)
-    T = cfg.model.seq_len
-    print(f"{cfg.name}: layout {model.block_kinds}")
-    print(f"  parameters         {model.num_params():,}")
-    print(f"  active parameters  {active_params(model):,}")
-    print(f"  forward FLOPs/token {model_flops(cfg.model) / T:,.0f}")
-    print(f"  train FLOPs/step   {train_flops_per_step(cfg.model, cfg.train.batch_size):,}")
+    print(f"{'variant':<18}{'params':>13}{'active params':>15}{'fwd FLOPs/token':>17}{'train GFLOP/step':>18}")
+    for cfg in cfgs:
+        model = MoDETransformer(cfg.model)
+        per_token = model_flops(cfg.model) / cfg.model.seq_len
+        per_step = train_flops_per_step(cfg.model, cfg.train.batch_size) / 1e9
+        print(f"{cfg.name:<18}{model.num_params():>13,}{active_params(model):>15,}{per_token:>17,.0f}{per_step:>18.1f}")
 
 
 def active_params(model: torch.nn.Module) -> int:
@@ -338,14 +337,17 @@ def main(argv: list[str] | None = None) -> None:
         prog="mode-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default=None, help="preset name in configs/ or a YAML path")
-    parser.add_argument("--print-flops", action="store_true", help="print parameters and FLOPs, then exit")
+    parser.add_argument(
+        "--print-flops", action="store_true", help="print parameters and FLOPs (of every preset without --config)"
+    )
     parser.add_argument("--sample", type=int, default=0, help="print this many sampled bytes after training")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. model.n_layers=8")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
     if args.print_flops:
-        print_flops(cfg)
+        names = [args.config] if args.config else [n for n in preset_names() if n != "base"]
+        print_flops([load_config(name, args.overrides) for name in names])
         return
+    cfg = load_config(args.config, args.overrides)
     try:
         model, result = train(cfg)
     finally:

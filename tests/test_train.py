@@ -46,3 +46,15 @@ def test_checkpoint_resume_continues_identically(tmp_path):
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
     assert resumed.train_loss == straight.train_loss
+
+
+def test_print_flops_lists_every_preset(capsys):
+    from mode.config import preset_names
+    from mode.train import main
+
+    main(["--print-flops"])
+    out = capsys.readouterr().out
+    for name in preset_names():
+        if name != "base":
+            assert name in out
+    assert "active params" in out
