@@ -13,7 +13,14 @@ from torch import nn
 
 from mode.config import ModelConfig
 from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer
-from mode.layers.blocks import DenseBlock, MoDBlock, MoEBlock, check_routing
+from mode.layers.blocks import (
+    DenseBlock,
+    IntegratedMoDEBlock,
+    MoDBlock,
+    MoEBlock,
+    StagedMoDEBlock,
+    check_routing,
+)
 from mode.layers.kv_cache import KVCache
 
 
@@ -65,10 +72,9 @@ def build_block(kind: str, cfg: ModelConfig) -> nn.Module:
     if kind in ("moe", "moe_capacity"):
         return MoEBlock(d, h, build_moe(cfg, capacity=kind == "moe_capacity"), rope)
     if kind == "mode_staged":
-        inner = MoEBlock(d, h, build_moe(cfg), rope)
-        return MoDBlock(d, h, cfg.mod.capacity, inner=inner, **mod)
+        return StagedMoDEBlock(d, h, cfg.mod.capacity, moe=build_moe(cfg), **mod)
     if kind == "mode_integrated":
-        return MoEBlock(d, h, build_moe(cfg, n_noop=cfg.moe.n_noop), rope)
+        return IntegratedMoDEBlock(d, h, moe=build_moe(cfg, n_noop=cfg.moe.n_noop), rope_base=rope)
     raise ValueError(f"unknown block kind {kind!r}")
 
 

@@ -30,7 +30,13 @@ from mode.flops import train_flops_per_step
 from mode.layers.blocks import MoDBlock
 from mode.model import MoDETransformer
 from mode.parallel import checkpoint as sharded
-from mode.parallel.expert_parallel import clip_grad_norm, parallelize, reduce_expert_grads, wrap_data_parallel
+from mode.parallel.expert_parallel import (
+    clip_grad_norm,
+    parallelize,
+    reduce_expert_grads,
+    sync_load_statistics,
+    wrap_data_parallel,
+)
 from mode.parallel.mesh import ParallelContext, destroy, init_mesh
 
 
@@ -241,6 +247,8 @@ def train(
         grad_norm = clip_grad_norm(model, tc.grad_clip, ctx) if tc.grad_clip else None
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if ctx is not None:
+            sync_load_statistics(model, ctx)
         after_optimizer_step(model)
         result.step_times.append(time.perf_counter() - t0)
         result.train_loss = _mean_over_ranks(loss.item(), ctx)

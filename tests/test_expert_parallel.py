@@ -221,3 +221,22 @@ def test_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     assert sharded.load(path, restored, None)["step"] == 1
     torch.manual_seed(0)
     torch.testing.assert_close(restored.tok_emb.weight, MoDETransformer(cfg).tok_emb.weight)
+
+
+def bias_worker(rank: int, world: int, out_dir: str) -> None:
+    from mode.train import train
+
+    cfg = load_config(
+        None, [*TRAIN, "train.steps=3", "model.moe.bias_rate=0.01", "parallel.dp_size=2", f"train.out_dir={out_dir}"]
+    )
+    model, _ = train(cfg)
+    bias = next(m.selection_bias for m in model.modules() if hasattr(m, "selection_bias"))
+    gathered = [torch.empty_like(bias) for _ in range(world)]
+    dist.all_gather(gathered, bias)
+    assert bias.abs().sum() > 0  # the biases moved
+    for other in gathered:
+        assert torch.equal(other, bias)  # and stayed identical on every replica
+
+
+def test_aux_loss_free_bias_stays_identical_across_data_parallel_ranks(tmp_path):
+    run_workers(bias_worker, 2, str(tmp_path))

@@ -96,3 +96,11 @@ def test_every_preset_trains_saves_and_reloads(preset, tmp_path):
     reloaded.eval()
     idx = torch.randint(0, 256, (2, 32))
     assert torch.equal(model(idx)[0], reloaded(idx)[0])
+
+
+def test_model_layout_builds_the_public_block_classes():
+    cfg = load_config(None, ["model.layout=mode_staged,mode_integrated", "model.n_layers=2", "model.moe.n_noop=2"])
+    model = MoDETransformer(cfg.model)
+    assert isinstance(model.blocks[0], StagedMoDEBlock)
+    assert isinstance(model.blocks[1], IntegratedMoDEBlock)
+    assert model.blocks[1].mlp.n_noop == 2

@@ -235,7 +235,7 @@ class StagedMoDEBlock(MoDBlock):
     ``x + g(r) * f(x)`` on chosen tokens; skipping tokens never reach the experts.
 
     ``moe_kwargs`` go to the MoE layer (``mlp``, ``backend``, ``lb_coef``, ...); ``d_ff``
-    defaults to ``4 * d_model // top_k``.
+    defaults to ``4 * d_model // top_k``. Pass a built MoE layer as ``moe`` to use it instead.
     """
 
     def __init__(
@@ -251,20 +251,23 @@ class StagedMoDEBlock(MoDBlock):
         rope_base: float = 10000.0,
         causal: str = "none",
         causal_coef: float = 0.01,
+        predictor_hidden: int = 64,
+        moe: MoELayer | None = None,
         **moe_kwargs,
     ) -> None:
-        cls = DroplessMoE if dropless else CapacityMoE
-        moe = cls(d_model, d_ff or 4 * d_model // top_k, n_experts, top_k, **moe_kwargs)
-        inner = MoEBlock(d_model, n_heads, moe, rope_base)
+        if moe is None:
+            cls = DroplessMoE if dropless else CapacityMoE
+            moe = cls(d_model, d_ff or 4 * d_model // top_k, n_experts, top_k, **moe_kwargs)
         super().__init__(
             d_model,
             n_heads,
             capacity,
             gate=gate,
             rope_base=rope_base,
-            inner=inner,
+            inner=MoEBlock(d_model, n_heads, moe, rope_base),
             causal=causal,
             causal_coef=causal_coef,
+            predictor_hidden=predictor_hidden,
         )
 
 
@@ -272,7 +275,8 @@ class IntegratedMoDEBlock(MoEBlock):
     """Integrated MoDE: attention on every token; the MLP router chooses among ``n_experts``
     real experts and ``n_noop`` no-op experts. A token assigned to a no-op expert gets zero
     from it and costs no GEMM (with top-1, its MLP residual is exactly unchanged). The
-    load-balance loss targets ``noop_share`` of assignments on the no-op experts.
+    load-balance loss targets ``noop_share`` of assignments on the no-op experts. Pass a built
+    ``DroplessMoE`` (with ``n_noop``) as ``moe`` to use it instead.
     """
 
     def __init__(
@@ -285,9 +289,10 @@ class IntegratedMoDEBlock(MoEBlock):
         d_ff: int | None = None,
         noop_share: float = 0.5,
         rope_base: float = 10000.0,
+        moe: MoELayer | None = None,
         **moe_kwargs,
     ) -> None:
-        moe = DroplessMoE(
-            d_model, d_ff or 4 * d_model // top_k, n_experts, top_k, n_noop=n_noop, noop_share=noop_share, **moe_kwargs
-        )
+        if moe is None:
+            d_ff = d_ff or 4 * d_model // top_k
+            moe = DroplessMoE(d_model, d_ff, n_experts, top_k, n_noop=n_noop, noop_share=noop_share, **moe_kwargs)
         super().__init__(d_model, n_heads, moe, rope_base)

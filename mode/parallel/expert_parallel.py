@@ -136,6 +136,15 @@ def reduce_expert_grads(model: nn.Module, ctx: ParallelContext) -> None:
         offset += g.numel()
 
 
+def sync_load_statistics(model: nn.Module, ctx: ParallelContext) -> None:
+    """Sum every MoE layer's accumulated expert load over all ranks, so that the
+    aux-loss-free selection biases (updated from it after the optimizer step) stay identical
+    on every replica instead of drifting apart with each rank's own tokens."""
+    for layer in moe_layers(model):
+        if layer.bias_rate:
+            dist.all_reduce(layer._load_sum)
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext | None) -> torch.Tensor:
     """Clip by the global gradient norm: replicated grads count once, sharded expert grads are
     summed over the ep group. Returns the norm before clipping."""
