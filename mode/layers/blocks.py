@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mode.aux import Routed
+from mode.config import CAUSAL_METHODS
 from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.kv_cache import KVCache
@@ -27,7 +28,6 @@ from mode.routing.causal import causal_decisions, decision_metrics, membership_b
 from mode.routing.expert_choice import capacity_to_k, expert_choice_topk, scatter_add_tokens, take_tokens
 
 GATES = {"sigmoid": torch.sigmoid, "identity": lambda r: r, "none": torch.ones_like}
-CAUSAL_METHODS = ("none", "router_bce", "predictor")
 ROUTING_MODES = ("topk", "causal")
 
 
