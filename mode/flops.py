@@ -8,10 +8,9 @@ step costs about 3x the forward (backward = 2x forward).
 
 from __future__ import annotations
 
-import math
-
 from mode.config import ModelConfig
 from mode.routing.expert_choice import capacity_to_k
+from mode.routing.token_choice import expert_capacity
 
 
 def attention_flops(n: int, d: int) -> int:
@@ -24,11 +23,6 @@ def mlp_flops(n: int, d: int, d_ff: int, kind: str = "gelu") -> int:
     return (6 if kind == "swiglu" else 4) * n * d * d_ff
 
 
-def moe_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
-    """Slots per expert of a capacity MoE: ceil(cf * N * K / E)."""
-    return int(math.ceil(capacity_factor * n_tokens * top_k / n_experts))
-
-
 def moe_flops(n: int, cfg: ModelConfig, kind: str = "moe", real_share: float = 1.0, n_noop: int = 0) -> int:
     """Router over E (+ no-op) experts, plus expert GEMMs on n tokens.
 
@@ -38,7 +32,7 @@ def moe_flops(n: int, cfg: ModelConfig, kind: str = "moe", real_share: float = 1
     f = cfg.expert_d_ff()
     router = 2 * n * d * (m.n_experts + n_noop)
     if kind == "moe_capacity":
-        rows = m.n_experts * moe_capacity(n, m.top_k, m.n_experts, m.capacity_factor)
+        rows = m.n_experts * expert_capacity(n, m.top_k, m.n_experts, m.capacity_factor)
     else:
         rows = round(n * m.top_k * real_share)
     shared = mlp_flops(n, d, f, m.mlp) if m.shared_expert else 0
