@@ -15,17 +15,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_time, print_table, write_json  # noqa: E402
+from common import fwd_bwd_step, median_time, print_table, write_json  # noqa: E402
 
 from mode.config import load_config  # noqa: E402
 from mode.flops import block_flops  # noqa: E402
 from mode.layers.blocks import DenseBlock, MoDBlock  # noqa: E402
-
-
-def fwd_bwd(block: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
-    """One forward + backward with a materialized upstream gradient, as inside a model."""
-    x.grad = None
-    block(x).backward(grad)
 
 
 def main() -> None:
@@ -44,7 +38,7 @@ def main() -> None:
     x = torch.randn(args.batch, T, d, requires_grad=True)
     gy = torch.randn(args.batch, T, d)
     dense = DenseBlock(d, h)
-    dense_s = median_time(lambda: fwd_bwd(dense, x, gy), args.warmup, args.repeats)
+    dense_s = median_time(lambda: fwd_bwd_step(dense, x, gy), args.warmup, args.repeats)
     rows = [{"block": "dense", "capacity": 1.0, "ms": 1000 * dense_s, "time_ratio": 1.0, "flop_ratio": 1.0}]
     for c in args.capacities:
         cfg = load_config(
@@ -52,7 +46,7 @@ def main() -> None:
         ).model
         mod = MoDBlock(d, h, capacity=c)
         mod.block.load_state_dict(dense.state_dict())
-        s = median_time(lambda mod=mod: fwd_bwd(mod, x, gy), args.warmup, args.repeats)
+        s = median_time(lambda mod=mod: fwd_bwd_step(mod, x, gy), args.warmup, args.repeats)
         flop_ratio = block_flops("mod", cfg) / block_flops("dense", cfg)
         rows.append(
             {

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_median_times, print_table, write_json  # noqa: E402
+from common import fwd_bwd_step, interleaved_median_times, print_table, write_json  # noqa: E402
 
 from mode.experts.grouped_gemm import BACKENDS, resolve_name, unavailable_reason  # noqa: E402
 from mode.experts.moe import CapacityMoE, DroplessMoE  # noqa: E402
@@ -34,11 +34,6 @@ def make_input(n: int, d: int, router_w: torch.Tensor, case: str, dtype, device)
         direction = router_w[0].float() / router_w[0].float().norm()
         x[: n // 2] += 4.0 * direction
     return x.to(dtype).requires_grad_(True)
-
-
-def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
-    x.grad = None
-    layer(x).backward(grad)
 
 
 def build_layers(args, dtype, base: DroplessMoE) -> dict[str, torch.nn.Module]:
@@ -80,7 +75,7 @@ def main() -> None:
         grad = torch.randn(args.tokens, args.d_model, device=args.device, dtype=dtype)
         for case in ("balanced", "skewed"):
             x = make_input(args.tokens, args.d_model, base.router.weight.detach(), case, dtype, args.device)
-            fns = {name: partial(fwd_bwd, layer, x, grad) for name, layer in layers.items()}
+            fns = {name: partial(fwd_bwd_step, layer, x, grad) for name, layer in layers.items()}
             times = interleaved_median_times(fns, args.warmup, args.repeats)
             for name, s in times.items():
                 m = getattr(layers[name], "metrics", {})

@@ -15,6 +15,18 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def fwd_bwd_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+    """One training step's forward + backward with a materialized upstream gradient.
+
+    Parameter gradients are set to None first, as ``optimizer.zero_grad()`` does, so every
+    candidate pays for fresh gradients and none for accumulating into last repeat's (a cost
+    that grows with the parameter count, e.g. 4x for an 8-expert top-2 MoE, not with routing).
+    """
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    module(x).backward(grad)
+
+
 def median_time(fn: Callable[[], object], warmup: int = 2, repeats: int = 7) -> float:
     """Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
     for _ in range(warmup):

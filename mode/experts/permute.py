@@ -1,7 +1,16 @@
-"""Sort assignments by expert, gather tokens, and scatter expert outputs back.
+"""Sort assignments by expert, gather tokens, and combine expert outputs back per token.
 
 Legend: N tokens, D model dim, K experts per token, E experts, M assignments computed
 (M = N*K dropless; fewer when some are dropped or go to no-op experts).
+
+The two data movements around the grouped GEMM are a gather (tokens -> expert order) and a
+gather-and-sum (expert order -> tokens). Both directions of both are single fused passes:
+the sums use ``embedding_bag`` (a gather with an optional per-row weight, summed per bag),
+so no ``[N, K, D]`` temporary, zero-filled output or atomic scatter is needed:
+
+- ``permute``   forward: ``index_select``;  backward: per-token sum of its rows' gradients.
+- ``combine``   forward: per-token weighted sum of its rows; backward: weighted gather of the
+  output gradient, and the weight gradient as fused per-row dot products.
 """
 
 from __future__ import annotations
@@ -9,19 +18,27 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 
 class Dispatch(NamedTuple):
-    """Assignments sorted by expert (stable: ties keep token order).
+    """Assignments sorted by expert (stable: ties keep token order), and the way back.
 
     order:     [M] index into the flattened [N*K] assignments, sorted by expert.
     token_idx: [M] token row each sorted assignment reads (``order // K``).
     counts:    [E] assignments per expert (grouped-GEMM group sizes).
+    bags:      [M] the same assignments in token order, as rows of the expert-ordered buffer:
+               token n's rows are ``bags[bag_offsets[n]:bag_offsets[n + 1]]``.
+    bag_offsets: [N + 1] start of each token's rows in ``bags`` (last entry M).
+    assignment: [M] flattened [N*K] assignment index of each entry of ``bags`` (ascending).
     """
 
     order: torch.Tensor
     token_idx: torch.Tensor
     counts: torch.Tensor
+    bags: torch.Tensor
+    bag_offsets: torch.Tensor
+    assignment: torch.Tensor
 
 
 def sort_by_expert(
@@ -39,14 +56,56 @@ def sort_by_expert(
     key = torch.where(valid, flat, torch.full_like(flat, n_experts))
     counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
     order = torch.sort(key, stable=True).indices
-    if keep is not None or has_noop:
-        order = order[: int(counts.sum())]
-    return Dispatch(order, torch.div(order, K, rounding_mode="floor"), counts)
+    device = experts.device
+    if keep is None and not has_noop:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(N * K, device=device)
+        bag_offsets = torch.arange(0, N * K + 1, K, device=device)
+        assignment = torch.arange(N * K, device=device)
+        return Dispatch(order, torch.div(order, K, rounding_mode="floor"), counts, inverse, bag_offsets, assignment)
+    M = int(counts.sum())
+    order = order[:M]
+    # Rows of the dispatched assignments in assignment (= token-major) order.
+    assignment, rank = torch.sort(order)
+    bag_offsets = torch.zeros(N + 1, dtype=torch.long, device=device)
+    bag_offsets[1:] = torch.cumsum(valid.view(N, K).sum(1), 0)
+    return Dispatch(order, torch.div(order, K, rounding_mode="floor"), counts, rank, bag_offsets, assignment)
+
+
+def bag_tokens(dispatch: Dispatch, k: int) -> torch.Tensor:
+    """[M] token of each entry of ``dispatch.bags``."""
+    return torch.div(dispatch.assignment, k, rounding_mode="floor")
+
+
+def gather_sum(rows: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[n] = sum of weights[a] * rows[bags[a]]`` over token n's entries: rows [M, D] in
+    expert order, weights [M] in bag order (None = 1) -> [N, D]; tokens without rows get 0."""
+    return F.embedding_bag(
+        dispatch.bags,
+        rows,
+        dispatch.bag_offsets,
+        mode="sum",
+        per_sample_weights=weights,
+        include_last_offset=True,
+    )
+
+
+class _Permute(torch.autograd.Function):
+    """x [N, D] -> x[token_idx] [M, D]; backward sums each token's row gradients (one pass)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
+        ctx.dispatch = dispatch
+        return x.index_select(0, dispatch.token_idx)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather_sum(grad.contiguous(), ctx.dispatch), None
 
 
 def permute(x: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
     """x: [N, D] -> [M, D], the token rows in expert order."""
-    return x.index_select(0, dispatch.token_idx)
+    return _Permute.apply(x, dispatch)
 
 
 def sorted_weights(weights: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
@@ -58,40 +117,43 @@ def unpermute(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, n
     """Combine expert outputs back to tokens: ``out[n] = sum of w[m] * y[m] over m with token_idx[m] = n``.
 
     y: [M, D] in expert order; token_idx, weights: [M] -> [N, D]. Tokens that received no
-    assignment get zeros.
+    assignment get zeros. (Any row-to-token map; ``combine`` is the fused token-choice path.)
     """
     out = y.new_zeros(n_tokens, y.shape[-1])
     return out.index_add(0, token_idx, y * weights.unsqueeze(-1).to(y.dtype))
 
 
 class _Combine(torch.autograd.Function):
-    """out[n] = sum_k w[n, k] * y[inverse[n, k]], as one gather and one batched matvec.
+    """out[n] = sum over token n's assignments a of w[a] * y[bags[a]].
 
-    y: [M, D] expert order; weights: [N, K] (zero where not dispatched); inverse: [N*K] row
-    of y for each assignment (0 where not dispatched); order/token_idx: [M] (see Dispatch).
-    Compared with ``y * w`` + ``index_add``, this writes one [M, D] temporary instead of two
-    and needs no zero-filled output; the backward gathers and scales in place.
+    y: [M, D] expert order; w: [M] combine weights in bag (token) order, in y's dtype.
+    Forward is one weighted gather-sum; backward is one weighted gather for dy and one fused
+    gather-dot for dw (``embedding_bag``'s own per-sample-weight gradient kernel).
     """
 
     @staticmethod
-    def forward(ctx, y, weights, inverse, order, token_idx, dispatched):
-        N, K = weights.shape
-        y_tok = y.index_select(0, inverse).view(N, K, -1)  # [N, K, D] token order
-        w = weights.to(y.dtype)
-        ctx.save_for_backward(y_tok, w, order, token_idx, dispatched)
-        return torch.bmm(w.unsqueeze(1), y_tok).squeeze(1)
+    def forward(ctx, y: torch.Tensor, w: torch.Tensor, dispatch: Dispatch, k: int) -> torch.Tensor:
+        ctx.save_for_backward(y, w)
+        ctx.dispatch, ctx.k = dispatch, k
+        return gather_sum(y, dispatch, w)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        y_tok, w, order, token_idx, dispatched = ctx.saved_tensors
+    def backward(ctx, grad_out: torch.Tensor):
+        y, w = ctx.saved_tensors
+        d: Dispatch = ctx.dispatch
+        grad_out = grad_out.contiguous()
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_y = grad_out.index_select(0, token_idx)  # [M, D]
-            grad_y.mul_(w.reshape(-1).index_select(0, order).unsqueeze(-1))
+            w_sorted = torch.empty_like(w)
+            w_sorted[d.bags] = w  # expert order
+            grad_y = F.embedding_bag(  # grad_y[m] = w[m] * grad_out[token_idx[m]], one pass
+                d.token_idx.unsqueeze(1), grad_out, mode="sum", per_sample_weights=w_sorted.unsqueeze(1)
+            )
         if ctx.needs_input_grad[1]:
-            grad_w = torch.bmm(y_tok, grad_out.unsqueeze(-1)).squeeze(-1)  # [N, K]
-            grad_w = grad_w * dispatched if dispatched.numel() else grad_w
-        return grad_y, grad_w, None, None, None, None
+            grad_w = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                grad_out, y, d.bags, d.bag_offsets[:-1], bag_tokens(d, ctx.k), 0
+            )
+        return grad_y, grad_w, None, None
 
 
 def combine(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
@@ -103,12 +165,7 @@ def combine(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch
     N, K = weights.shape
     if dispatch.order.numel() == 0:
         return y.new_zeros(N, y.shape[-1]) + 0 * weights.sum()  # keeps the graph to the router
-    inverse = torch.zeros(N * K, dtype=torch.long, device=y.device)
-    inverse[dispatch.order] = torch.arange(dispatch.order.numel(), device=y.device)
-    dispatched = weights.new_zeros(0)  # empty: every assignment is dispatched
-    if dispatch.order.numel() < N * K:
-        dispatched = weights.new_zeros(N * K)
-        dispatched[dispatch.order] = 1.0
-        dispatched = dispatched.view(N, K)
-        weights = weights * dispatched
-    return _Combine.apply(y, weights, inverse, dispatch.order, dispatch.token_idx, dispatched.to(y.dtype))
+    w = weights.reshape(-1)
+    if dispatch.assignment.numel() < N * K:
+        w = w.index_select(0, dispatch.assignment)
+    return _Combine.apply(y, w.to(y.dtype), dispatch, K)
