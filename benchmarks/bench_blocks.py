@@ -1,7 +1,14 @@
 """MoD block vs dense block: forward+backward time beside the analytic FLOP ratio.
 
-    python benchmarks/bench_blocks.py                 # d 512, 8 heads, seq 1024, batch 4, fp32
-    python benchmarks/bench_blocks.py --repeats 9 --label mybox
+    python benchmarks/bench_blocks.py                 # d 512, 8 heads, seq 1024, batch 4, fp32, CPU
+    python benchmarks/bench_blocks.py --device cuda --dtype bfloat16 --label h200
+
+Every candidate is timed round-robin in one run (median of repeats after warm-up), each
+repeat one training step's forward + backward (see ``common.fwd_bwd_step``). Beside each MoD
+block the benchmark times its *floor*: the same inner block run directly on ``k`` tokens per
+sequence that were gathered beforehand (no router, no top-k, no gather/scatter, no full-size
+residual). ``floor/FLOP`` is what the inner block alone costs per FLOP at that size, and
+``routing`` = (MoD - floor) / dense is everything routing adds.
 
 Targets: MoD at capacity 0.125 <= 0.11x dense; at every capacity time ratio <= 1.15x FLOP ratio.
 """
@@ -15,11 +22,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fwd_bwd_step, median_time, print_table, write_json  # noqa: E402
+from common import fwd_bwd_step, interleaved_median_times, print_table, write_json  # noqa: E402
 
 from mode.config import load_config  # noqa: E402
 from mode.flops import block_flops  # noqa: E402
 from mode.layers.blocks import DenseBlock, MoDBlock  # noqa: E402
+from mode.routing.expert_choice import capacity_to_k  # noqa: E402
+
+
+class InnerOnly(torch.nn.Module):
+    """The floor of a MoD block: ``block.delta`` on pre-gathered tokens at their positions."""
+
+    def __init__(self, block: DenseBlock, positions: torch.Tensor) -> None:
+        super().__init__()
+        self.block, self.positions = block, positions
+
+    def forward(self, x_sel: torch.Tensor) -> torch.Tensor:
+        return self.block.delta(x_sel, self.positions)
 
 
 def main() -> None:
@@ -28,37 +47,58 @@ def main() -> None:
     p.add_argument("--n-heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--capacities", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.125, 0.0625])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--label", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
-    d, h, T = args.d_model, args.n_heads, args.seq
-    x = torch.randn(args.batch, T, d, requires_grad=True)
-    gy = torch.randn(args.batch, T, d)
-    dense = DenseBlock(d, h)
-    dense_s = median_time(lambda: fwd_bwd_step(dense, x, gy), args.warmup, args.repeats)
-    rows = [{"block": "dense", "capacity": 1.0, "ms": 1000 * dense_s, "time_ratio": 1.0, "flop_ratio": 1.0}]
+    d, h, T, B = args.d_model, args.n_heads, args.seq, args.batch
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    x = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
+    gy = torch.randn(B, T, d, device=dev, dtype=dtype)
+    dense = DenseBlock(d, h).to(dev, dtype)
+    fns = {"dense": lambda: fwd_bwd_step(dense, x, gy)}
+    flop_ratio = {}
     for c in args.capacities:
         cfg = load_config(
             None, [f"model.d_model={d}", f"model.n_heads={h}", f"model.seq_len={T}", f"model.mod.capacity={c}"]
         ).model
-        mod = MoDBlock(d, h, capacity=c)
+        flop_ratio[c] = block_flops("mod", cfg) / block_flops("dense", cfg)
+        mod = MoDBlock(d, h, capacity=c).to(dev, dtype)
         mod.block.load_state_dict(dense.state_dict())
-        s = median_time(lambda mod=mod: fwd_bwd_step(mod, x, gy), args.warmup, args.repeats)
-        flop_ratio = block_flops("mod", cfg) / block_flops("dense", cfg)
+        fns[f"mod {c}"] = lambda mod=mod: fwd_bwd_step(mod, x, gy)
+        k = capacity_to_k(c, T)
+        if k:
+            # Floor: evenly spread positions (attention cost depends only on k, not on which tokens).
+            positions = (torch.arange(k, device=dev) * (T // k)).expand(B, k)
+            x_sel = torch.randn(B, k, d, device=dev, dtype=dtype, requires_grad=True)
+            g_sel = torch.randn(B, k, d, device=dev, dtype=dtype)
+            inner = InnerOnly(mod.block, positions)
+            fns[f"floor {c}"] = lambda inner=inner, x_sel=x_sel, g_sel=g_sel: fwd_bwd_step(inner, x_sel, g_sel)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    times = interleaved_median_times(fns, args.warmup, args.repeats, sync=sync)
+    dense_s = times["dense"]
+    rows = [{"block": "dense", "capacity": 1.0, "ms": 1000 * dense_s, "time_ratio": 1.0, "flop_ratio": 1.0}]
+    for c in args.capacities:
+        s, floor = times[f"mod {c}"], times.get(f"floor {c}")
         rows.append(
             {
                 "block": "mod",
                 "capacity": c,
                 "ms": 1000 * s,
                 "time_ratio": s / dense_s,
-                "flop_ratio": flop_ratio,
-                "time_over_flop": (s / dense_s) / flop_ratio,
+                "flop_ratio": flop_ratio[c],
+                "time_over_flop": (s / dense_s) / flop_ratio[c],
+                "floor_ms": 1000 * floor if floor is not None else None,
+                "floor_over_flop": (floor / dense_s) / flop_ratio[c] if floor is not None else None,
+                "routing_share": (s - floor) / dense_s if floor is not None else None,
             }
         )
-    print(f"fwd+bwd, d={d}, heads={h}, seq={T}, batch={args.batch}, float32, threads={torch.get_num_threads()}")
+    threads = torch.get_num_threads()
+    print(f"fwd+bwd, d={d}, heads={h}, seq={T}, batch={B}, {args.dtype}, device={dev}, threads={threads}")
     print_table(
         rows,
         [
@@ -68,6 +108,9 @@ def main() -> None:
             ("time_ratio", "time/dense", ".3f"),
             ("flop_ratio", "FLOP/dense", ".3f"),
             ("time_over_flop", "time/FLOP", ".2f"),
+            ("floor_ms", "floor ms", ".1f"),
+            ("floor_over_flop", "floor/FLOP", ".2f"),
+            ("routing_share", "routing/dense", ".4f"),
         ],
     )
     at_0125 = next((r for r in rows if r["block"] == "mod" and r["capacity"] == 0.125), None)

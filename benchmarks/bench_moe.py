@@ -6,6 +6,9 @@
 Forward+backward time, median of repeats after warm-up, all candidates timed round-robin;
 every ratio is to the dense MLP (hidden top_k * ffn) of the same dtype. Cases: "balanced"
 (a random router) and "skewed" (half the tokens strongly prefer expert 0).
+The "experts only" row is the floor of the dropless layer: its grouped GEMMs + GELU on
+tokens already sorted by expert; dropless(auto) / floor - 1 is what routing, permutation and
+combination add on top of the GEMMs.
 Targets (balanced): dropless(auto) <= 0.85x capacity MoE at cf 1.25, and <= 1.10x dense.
 """
 
@@ -23,9 +26,26 @@ from common import fwd_bwd_step, interleaved_median_times, print_table, write_js
 
 from mode.experts.grouped_gemm import BACKENDS, resolve_name, unavailable_reason  # noqa: E402
 from mode.experts.moe import CapacityMoE, DroplessMoE  # noqa: E402
+from mode.experts.permute import sort_by_expert  # noqa: E402
 from mode.layers.mlp import MLP  # noqa: E402
 
 DENSE = "dense MLP (same active FLOPs)"
+FLOOR = "experts only (GEMMs+GELU)"
+
+
+class ExpertsOnly(torch.nn.Module):
+    """The floor of a dropless layer: its grouped GEMMs + GELU on tokens already sorted by
+    expert (no router, no permutation, no combination)."""
+
+    def __init__(self, layer: DroplessMoE, x: torch.Tensor) -> None:
+        super().__init__()
+        with torch.no_grad():
+            choice, _ = layer.route(x.reshape(-1, x.shape[-1]), tuple(x.shape))
+        self.dispatch = sort_by_expert(choice.experts, layer.n_experts)
+        self.experts = layer.experts
+
+    def forward(self, x_sorted: torch.Tensor) -> torch.Tensor:
+        return self.experts(x_sorted, self.dispatch.counts)
 
 
 def make_input(n: int, d: int, router_w: torch.Tensor, case: str, dtype, device) -> torch.Tensor:
@@ -67,7 +87,7 @@ def main() -> None:
     p.add_argument("--label", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
-    rows, targets = [], {}
+    rows, targets, overheads = [], {}, {}
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         base = DroplessMoE(args.d_model, args.d_ff, args.experts, args.top_k)
@@ -76,9 +96,14 @@ def main() -> None:
         for case in ("balanced", "skewed"):
             x = make_input(args.tokens, args.d_model, base.router.weight.detach(), case, dtype, args.device)
             fns = {name: partial(fwd_bwd_step, layer, x, grad) for name, layer in layers.items()}
-            times = interleaved_median_times(fns, args.warmup, args.repeats)
+            auto_layer = next(v for k, v in layers.items() if k.startswith("dropless[auto"))
+            floor = ExpertsOnly(auto_layer, x.detach())
+            x_sorted = x.detach()[floor.dispatch.token_idx].requires_grad_(True)
+            fns[FLOOR] = partial(fwd_bwd_step, floor, x_sorted, torch.randn_like(x_sorted))
+            sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
+            times = interleaved_median_times(fns, args.warmup, args.repeats, sync=sync)
             for name, s in times.items():
-                m = getattr(layers[name], "metrics", {})
+                m = getattr(layers[name], "metrics", {}) if name in layers else {}
                 rows.append(
                     {
                         "dtype": dtype_name,
@@ -97,6 +122,8 @@ def main() -> None:
                     ("dense", auto / times[DENSE], 1.10),
                 ):
                     targets[f"{dtype_name}: dropless(auto) <= {limit}x {key}"] = {"ratio": ratio, "met": ratio <= limit}
+                floor_s = times[FLOOR]
+                overheads[dtype_name] = {"floor_vs_dense": floor_s / times[DENSE], "over_floor": auto / floor_s - 1}
     print(
         f"fwd+bwd, d={args.d_model}, ffn={args.d_ff}/expert, E={args.experts}, top-{args.top_k}, "
         f"tokens={args.tokens}, device={args.device}, threads={torch.get_num_threads()}"
@@ -115,7 +142,13 @@ def main() -> None:
     )
     for k, t in targets.items():
         print(f"target {k}: {t['ratio']:.3f} -> {'met' if t['met'] else 'MISSED'}")
-    path = write_json("moe", {"args": vars(args), "rows": rows, "targets": targets}, args.label)
+    for k, o in overheads.items():
+        print(
+            f"{k}: GEMMs+GELU alone {o['floor_vs_dense']:.3f}x dense; "
+            f"routing+permute+combine add {100 * o['over_floor']:.1f}% on top of them"
+        )
+    payload = {"args": vars(args), "rows": rows, "targets": targets, "overheads": overheads}
+    path = write_json("moe", payload, args.label)
     print(f"wrote {path}")
 
 

@@ -27,31 +27,34 @@ def fwd_bwd_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -
     module(x).backward(grad)
 
 
-def median_time(fn: Callable[[], object], warmup: int = 2, repeats: int = 7) -> float:
-    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def interleaved_median_times(
-    fns: dict[str, Callable[[], object]], warmup: int = 2, repeats: int = 7
+    fns: dict[str, Callable[[], object]],
+    warmup: int = 2,
+    repeats: int = 7,
+    sync: Callable[[], object] | None = None,
+    settle: int = 1,
 ) -> dict[str, float]:
-    """Median seconds of each function, timed round-robin (one call of each per round) so
-    that drift in machine speed hits every candidate alike; ratios between them are fair."""
+    """Median seconds of each function, timed round-robin (one timed call of each per round)
+    so that drift in machine speed hits every candidate alike; ratios between them are fair.
+
+    ``settle`` untimed calls precede each timed call, so that each candidate is timed in its
+    own steady state (allocator and caches as after a call of itself, as in a training loop
+    that repeats one step) rather than in the state the previous candidate left.
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each clock read on async devices.
+    """
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            for _ in range(settle):
+                fn()
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 

@@ -125,9 +125,9 @@ class MoEConfig:
         _check_positive("model.moe.z_coef", self.z_coef, allow_zero=True)
         _check_positive("model.moe.bias_rate", self.bias_rate, allow_zero=True)
         # Imported lazily: experts -> config would be fine, config -> experts at import is not.
-        from mode.experts.grouped_gemm import BACKENDS
+        from mode.experts.grouped_gemm import BACKEND_NAMES
 
-        _check_choice("model.moe.backend", self.backend, tuple(BACKENDS) + ("auto",))
+        _check_choice("model.moe.backend", self.backend, (*BACKEND_NAMES, "auto"))
 
 
 @dataclass

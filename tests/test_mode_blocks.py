@@ -26,7 +26,11 @@ def test_staged_with_capacity_one_and_unit_gate_equals_moe_block():
 def test_skipping_tokens_never_reach_the_experts(top_k):
     staged = StagedMoDEBlock(D, H, capacity=0.25, n_experts=E, top_k=top_k)
     seen = []
-    staged.block.mlp.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[0]))
+
+    def count_rows(mod, args, kwargs):  # rows computed: sorted rows, or assignments in token order
+        seen.append(kwargs["token_idx"].numel() if kwargs.get("token_idx") is not None else args[0].shape[0])
+
+    staged.block.mlp.experts.register_forward_pre_hook(count_rows, with_kwargs=True)
     B, T = 3, 16
     staged(torch.randn(B, T, D))
     assert seen == [B * 4 * top_k]  # k = 4 tokens per row, top_k experts each

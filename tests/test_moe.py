@@ -3,6 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mode.experts.chunked import chunked_experts
 from mode.experts.grouped_gemm import get_backend, gmm_loop, gmm_torch, resolve_name
 from mode.experts.moe import CapacityMoE, DroplessMoE
 from mode.experts.permute import combine, permute, sort_by_expert, sorted_weights, unpermute
@@ -40,7 +41,7 @@ def assert_matches_reference(layer, x, **ref_kw):
     return out
 
 
-CASES = [(k, b) for k in (1, 2) for b in ("loop", "torch")]
+CASES = [(k, b) for k in (1, 2) for b in ("loop", "torch", "chunked")]
 
 
 @pytest.mark.parametrize("top_k,backend", CASES, ids=[f"top{k}-{b}" for k, b in CASES])
@@ -230,10 +231,78 @@ def test_moe_block_torch_compile():
     torch.testing.assert_close(compiled(x), blk(x), **TOL)
 
 
+def test_moe_block_torch_compile_auto_backend():
+    """Compiled, ``auto`` on CPU takes the grouped path (static shapes); eager takes chunked."""
+    layer = make()
+    blk = MoEBlock(D, 4, layer)
+    x = torch.randn(2, 8, D)
+    assert layer.experts.runs_chunked(x)
+    torch.testing.assert_close(torch.compile(blk)(x), blk(x), **TOL)
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+@pytest.mark.parametrize("n_noop", [0, 2])
+def test_chunked_equals_grouped_path(mlp, n_noop):
+    """Values and every gradient (x, router, w1, w2, w3) of the fused chunked path equal the
+    permute -> grouped GEMM -> combine path, with no-op experts (fewer than N*K assignments)."""
+    torch.manual_seed(0)
+    chunked = make(mlp=mlp, n_noop=n_noop, backend="chunked")
+    if chunked.experts.w3 is not None:
+        torch.nn.init.normal_(chunked.experts.w3, std=0.3)
+    grouped = make(mlp=mlp, n_noop=n_noop, backend="loop")
+    grouped.load_state_dict(chunked.state_dict())
+    x = torch.randn(N, D, requires_grad=True)
+    outs = [layer(x) for layer in (chunked, grouped)]
+    torch.testing.assert_close(outs[0], outs[1], **TOL)
+    if n_noop:
+        assert 0 < chunked.metrics["dispatched"] < N * 2  # some assignments went to no-op experts
+    g = torch.randn_like(outs[0])
+    grads = []
+    for layer, out in zip((chunked, grouped), outs, strict=True):
+        params = [x, layer.router.weight] + [
+            w for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3) if w is not None
+        ]
+        grads.append(torch.autograd.grad(out, params, g))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+        assert b.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
+def test_chunked_experts_gradcheck(swiglu):
+    gen = torch.Generator().manual_seed(0)
+    n, d, f, e = 5, 3, 4, 3
+    x = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+    token_idx = torch.tensor([0, 3, 1, 2, 4, 0, 1])  # expert 1 gets no tokens
+    counts = torch.tensor([4, 0, 3])
+    weights = torch.rand(7, dtype=torch.float64, generator=gen, requires_grad=True)
+    ws = [torch.randn(e, d, f, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(3)]
+    w2 = ws[1].transpose(1, 2).contiguous().detach().requires_grad_()
+    w3 = ws[2] if swiglu else None
+    inputs = (x, weights, ws[0], w2) + ((w3,) if swiglu else ())
+
+    def fn(x, weights, w1, w2, w3=None):
+        return chunked_experts(x, token_idx, counts, weights, w1, w2, w3)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_chunked_experts_rejects_inconsistent_inputs():
+    x, w = torch.randn(4, 3), torch.randn(2, 3, 5)
+    with pytest.raises(ValueError, match="counts sum to 3"):
+        chunked_experts(x, torch.tensor([0, 1]), torch.tensor([2, 1]), torch.ones(2), w, w.transpose(1, 2))
+    with pytest.raises(ValueError, match="must be equal"):
+        chunked_experts(x, torch.tensor([0, 1]), torch.tensor([1, 1]), torch.ones(3), w, w.transpose(1, 2))
+
+
 def test_backend_registry_explains_itself():
-    assert resolve_name("auto", "cpu", torch.float32, 512, 1024) == "torch"
-    assert resolve_name("auto", "cpu", torch.float64, 512, 1024) == "loop"
-    assert resolve_name("auto", "cpu", torch.float32, 6, 10) == "loop"  # rows not 16-byte aligned
+    assert resolve_name("auto", "cpu", torch.float32, 512, 1024) == "chunked"
+    assert resolve_name("auto", "cuda", torch.bfloat16, 512, 1024) in ("megablocks", "torch")
+    assert resolve_name("auto", "cuda", torch.float32, 512, 1024) == "loop"  # CUDA grouped_mm: bf16/fp16
+    # chunked's grouped GEMM (tokens that arrive sorted, e.g. expert parallelism):
+    assert get_backend("chunked", "cpu", torch.float32, 512, 1024) is gmm_torch
+    assert get_backend("chunked", "cpu", torch.float64, 512, 1024) is gmm_loop
+    assert get_backend("chunked", "cpu", torch.float32, 6, 10) is gmm_loop  # rows not 16-byte aligned
     with pytest.raises(RuntimeError, match="CUDA"):
         get_backend("megablocks", "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match="backend"):

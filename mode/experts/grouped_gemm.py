@@ -9,7 +9,13 @@ are multiplied by ``w[e]``. Backends:
   gradients with "Invalid strides/sizes") and computes dX and dW with grouped GEMMs.
   Needs float32/bfloat16/float16 and K, M whose rows are 16-byte aligned.
 - ``megablocks``: MegaBlocks' grouped GEMM, CUDA only, imported only when asked for.
-- ``auto``: megablocks on CUDA when importable, else torch where supported, else loop.
+- ``chunked``: not a grouped GEMM but a way to run the whole expert MLP: expert by expert on
+  its token rows, with the gather and the weighted combine fused into that loop (see
+  ``mode.experts.chunked``), which avoids the [M, D] permuted buffers. Where a grouped GEMM
+  is still needed (tokens that arrive sorted, e.g. under expert parallelism) it uses
+  ``torch`` where supported, else ``loop``.
+- ``auto``: on CUDA megablocks when importable, else torch where supported, else loop; on
+  other devices ``chunked`` (the fastest on CPU: see benchmarks/bench_moe.py).
 """
 
 from __future__ import annotations
@@ -112,42 +118,54 @@ def gmm_megablocks(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
 
 
 BACKENDS: dict[str, GroupedGemm] = {"loop": gmm_loop, "torch": gmm_torch, "megablocks": gmm_megablocks}
-_REASONS = {"loop": lambda *a: None, "torch": _torch_reason, "megablocks": _megablocks_reason}
+BACKEND_NAMES = (*BACKENDS, "chunked")
+_REASONS = {
+    "loop": lambda *a: None,
+    "torch": _torch_reason,
+    "megablocks": _megablocks_reason,
+    "chunked": lambda *a: None,
+}
 
 
 def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, k: int = 64, m: int = 64) -> str | None:
     """Why backend ``name`` cannot run for these inputs, or None when it can."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r} is invalid: choose one of {list(BACKENDS) + ['auto']}")
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend={name!r} is invalid: choose one of {[*BACKEND_NAMES, 'auto']}")
     return _REASONS[name](torch.device(device), dtype, k, m)
+
+
+def resolve_name(name: str, device: torch.device | str, dtype: torch.dtype, k: int = 64, m: int = 64) -> str:
+    """The concrete backend for inputs on ``device``/``dtype`` with inner dims K, M.
+
+    ``auto`` tries megablocks, torch, loop in that order on CUDA and is ``chunked`` elsewhere.
+    A named backend that cannot run raises ``RuntimeError`` saying why and what to install.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        if device.type != "cuda":
+            return "chunked"
+        reasons = {}
+        for candidate in ("megablocks", "torch", "loop"):
+            reason = unavailable_reason(candidate, device, dtype, k, m)
+            if reason is None:
+                return candidate
+            reasons[candidate] = reason
+        raise RuntimeError(f"no grouped GEMM backend works here: {reasons}")
+    reason = unavailable_reason(name, device, dtype, k, m)
+    if reason is not None:
+        raise RuntimeError(f"grouped GEMM backend {name!r} is unavailable: {reason}")
+    return name
 
 
 def get_backend(
     name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, k: int = 64, m: int = 64
 ) -> GroupedGemm:
-    """Resolve a backend for inputs on ``device``/``dtype`` with inner dims K, M.
-
-    ``auto`` tries megablocks, torch, loop in that order. A named backend that cannot run
-    raises ``RuntimeError`` saying why and what to install.
-    """
-    if name == "auto":
-        reasons = {}
-        for candidate in ("megablocks", "torch", "loop"):
-            reason = unavailable_reason(candidate, torch.device(device), dtype, k, m)
-            if reason is None:
-                return BACKENDS[candidate]
-            reasons[candidate] = reason
-        raise RuntimeError(f"no grouped GEMM backend works here: {reasons}")
-    reason = unavailable_reason(name, torch.device(device), dtype, k, m)
-    if reason is not None:
-        raise RuntimeError(f"grouped GEMM backend {name!r} is unavailable: {reason}")
-    return BACKENDS[name]
-
-
-def resolve_name(name: str, device: torch.device | str, dtype: torch.dtype, k: int, m: int) -> str:
-    """The concrete backend name ``get_backend(name, ...)`` would use."""
-    fn = get_backend(name, device, dtype, k, m)
-    return next(n for n, f in BACKENDS.items() if f is fn)
+    """The grouped GEMM that backend ``name`` uses for these inputs (see ``resolve_name``);
+    ``chunked`` uses ``torch`` where supported, else ``loop``."""
+    resolved = resolve_name(name, device, dtype, k, m)
+    if resolved == "chunked":
+        resolved = "loop" if unavailable_reason("torch", torch.device(device), dtype, k, m) else "torch"
+    return BACKENDS[resolved]
 
 
 # FlopCounterMode counts the custom ops like any matmul: 2 * N * K * M.

@@ -9,13 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mode.experts.grouped_gemm import get_backend
+from mode.experts.chunked import chunked_experts
+from mode.experts.grouped_gemm import get_backend, resolve_name
 
 
 class ExpertMLP(nn.Module):
     """E independent MLPs: GELU (``w1 [E, D, F]``, ``w2 [E, F, D]``) or SwiGLU (``w1`` and
     ``w3 [E, D, F]`` gate/up, ``w2`` down). ``forward(x [M, D], counts [E]) -> [M, D]`` with
-    rows of ``x`` sorted by expert."""
+    rows of ``x`` sorted by expert (grouped GEMMs), or in token order with the gather and the
+    weighted combine fused in (see ``forward``)."""
 
     def __init__(self, n_experts: int, d_model: int, d_ff: int, mlp: str = "gelu", backend: str = "auto") -> None:
         super().__init__()
@@ -41,7 +43,31 @@ class ExpertMLP(nn.Module):
     def n_experts(self) -> int:
         return self.w1.shape[0]
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def runs_chunked(self, x: torch.Tensor) -> bool:
+        """Whether the backend for ``x`` is ``chunked`` (token order in and out, see
+        ``forward``). Under ``torch.compile`` the grouped path is used instead: its shapes do
+        not depend on the routing."""
+        d_model, d_ff = self.w1.shape[1:]
+        chunked = resolve_name(self.backend, x.device, x.dtype, d_model, d_ff) == "chunked"
+        return chunked and not torch.compiler.is_compiling()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        token_idx: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Grouped: x [M, D] rows sorted by expert, counts [E] -> [M, D].
+
+        Token order (the ``chunked`` backend): with ``token_idx`` and ``weights`` ([M], grouped
+        by expert), x is [N, D] in token order and the result is ``out[n] = sum of weights[m]
+        * expert_m(x[n])`` ([N, D]): the gather and the weighted combine are fused in.
+        """
+        if token_idx is not None:
+            if weights is None:
+                raise ValueError("token-order experts need the combine weights with token_idx")
+            return chunked_experts(x, token_idx, counts, weights.to(x.dtype), self.w1, self.w2, self.w3)
         d_model, d_ff = self.w1.shape[1:]
         gmm = get_backend(self.backend, x.device, x.dtype, d_model, d_ff)
         h = gmm(x, self.w1, counts)

@@ -19,7 +19,7 @@ from torch import nn
 
 from mode.aux import Routed
 from mode.experts.mlp import ExpertMLP
-from mode.experts.permute import Dispatch, combine, permute, sort_by_expert, unpermute
+from mode.experts.permute import Dispatch, combine, permute, sort_by_expert, sorted_weights, unpermute
 from mode.routing.losses import (
     expert_load,
     load_balance_loss,
@@ -185,6 +185,9 @@ class MoELayer(Routed):
         raise NotImplementedError
 
     def _run_dispatch(self, x2: torch.Tensor, choice: TokenChoice, dispatch: Dispatch) -> torch.Tensor:
+        if self.dispatcher is local_dispatch and self.experts.runs_chunked(x2):
+            weights = sorted_weights(choice.weights, dispatch)
+            return self.experts(x2, dispatch.counts, token_idx=dispatch.token_idx, weights=weights)
         y = self.dispatcher(permute(x2, dispatch), dispatch.counts, self.experts)
         return combine(y, dispatch, choice.weights)
 
