@@ -24,6 +24,17 @@ def _activation(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
     return F.gelu(h1) if h3 is None else F.silu(h1) * h3
 
 
+def _row_dots(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[n] dot products ``<a[rows[i]], b[i]>``: a [N, D], rows [n], b [n, D]."""
+    if a.device.type == "cpu":
+        # NOTE: embedding_bag's per-sample-weight gradient kernel computes exactly these
+        # gathered dot products in one pass (no [n, D] gather + product temporaries). On CPU
+        # it handles every sample on its own, so ``rows`` need not be sorted by "bag".
+        idx = torch.arange(rows.numel(), device=rows.device)
+        return torch.ops.aten._embedding_bag_per_sample_weights_backward(a, b, idx, idx, rows, 0)
+    return torch.linalg.vecdot(a.index_select(0, rows), b)
+
+
 class _ChunkedExperts(torch.autograd.Function):
     """See ``chunked_experts``. Saves, per expert with tokens: h1 (, h3), act, y."""
 
@@ -53,12 +64,17 @@ class _ChunkedExperts(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = torch.zeros_like(x) if need_x else None
         grad_weights = torch.zeros_like(weights) if need_w else None
-        grad_w1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(w2)
-        grad_w3 = torch.zeros_like(w3) if w3 is not None else None
+        # NOTE: every expert's weight gradient is written whole by ``mm(out=...)`` below;
+        # only experts without tokens need zeros.
+        grad_w1, grad_w2 = torch.empty_like(w1), torch.empty_like(w2)
+        grad_w3 = torch.empty_like(w3) if w3 is not None else None
         per_expert = 3 if w3 is None else 4
         bounds, i = ctx.bounds, 0
         for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             if a == b:
+                for grad_w in (grad_w1, grad_w2, grad_w3):
+                    if grad_w is not None:
+                        grad_w[e].zero_()
                 continue
             if w3 is None:
                 h1, act, y = saved[i : i + 3]
@@ -67,10 +83,10 @@ class _ChunkedExperts(torch.autograd.Function):
                 h1, h3, act, y = saved[i : i + 4]
             i += per_expert
             rows = token_idx[a:b]
-            g = grad_out.index_select(0, rows)  # [n_e, D] d out / d (weighted y), unweighted
             if need_w:
-                grad_weights[a:b] = torch.linalg.vecdot(g, y)
-            g.mul_(weights[a:b, None])  # d loss / d y
+                grad_weights[a:b] = _row_dots(grad_out, rows, y)
+            # d loss / d y = weights * grad_out[rows]: a gather and a scale in one pass
+            g = F.embedding_bag(rows.unsqueeze(1), grad_out, mode="sum", per_sample_weights=weights[a:b, None])
             torch.mm(act.t(), g, out=grad_w2[e])
             d_act = g @ w2[e].t()  # [n_e, F]
             if h3 is None:
