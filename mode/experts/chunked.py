@@ -18,21 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mode.experts.permute import gathered_dots, scaled_gather
+
 
 def _activation(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
     """GELU(h1), or SwiGLU's silu(h1) * h3 when the up projection ``h3`` is given."""
     return F.gelu(h1) if h3 is None else F.silu(h1) * h3
-
-
-def _row_dots(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[n] dot products ``<a[rows[i]], b[i]>``: a [N, D], rows [n], b [n, D]."""
-    if a.device.type == "cpu":
-        # NOTE: embedding_bag's per-sample-weight gradient kernel computes exactly these
-        # gathered dot products in one pass (no [n, D] gather + product temporaries). On CPU
-        # it handles every sample on its own, so ``rows`` need not be sorted by "bag".
-        idx = torch.arange(rows.numel(), device=rows.device)
-        return torch.ops.aten._embedding_bag_per_sample_weights_backward(a, b, idx, idx, rows, 0)
-    return torch.linalg.vecdot(a.index_select(0, rows), b)
 
 
 class _ChunkedExperts(torch.autograd.Function):
@@ -83,10 +74,9 @@ class _ChunkedExperts(torch.autograd.Function):
                 h1, h3, act, y = saved[i : i + 4]
             i += per_expert
             rows = token_idx[a:b]
-            if need_w:
-                grad_weights[a:b] = _row_dots(grad_out, rows, y)
-            # d loss / d y = weights * grad_out[rows]: a gather and a scale in one pass
-            g = F.embedding_bag(rows.unsqueeze(1), grad_out, mode="sum", per_sample_weights=weights[a:b, None])
+            if need_w:  # <grad_out[rows[i]], y[i]>
+                grad_weights[a:b] = gathered_dots(grad_out, rows, y, torch.arange(b - a, device=rows.device))
+            g = scaled_gather(grad_out, rows, weights[a:b])  # d loss / d y
             torch.mm(act.t(), g, out=grad_w2[e])
             d_act = g @ w2[e].t()  # [n_e, F]
             if h3 is None:

@@ -90,6 +90,23 @@ def gather_sum(rows: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | N
     )
 
 
+def scaled_gather(src: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``out[i] = scale[i] * src[rows[i]]``: src [N, D], rows and scale [n] -> [n, D], in one
+    pass (no gathered copy scaled afterwards)."""
+    return F.embedding_bag(rows.unsqueeze(1), src, mode="sum", per_sample_weights=scale.unsqueeze(1))
+
+
+def gathered_dots(a: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor) -> torch.Tensor:
+    """``out[i] = <a[a_rows[i]], b[b_rows[i]]>``: a [Na, D], b [Nb, D], rows [n] -> [n]."""
+    if a.device.type == "cpu":
+        # NOTE: embedding_bag's per-sample-weight gradient kernel computes exactly these
+        # gathered dot products in one pass, without [n, D] gathered copies: sample i is
+        # <grad[offset2bag[i]], weight[indices[i]]>. On CPU each sample is handled on its own
+        # (the rows need no order) and ``offsets`` is read only when offset2bag is empty.
+        return torch.ops.aten._embedding_bag_per_sample_weights_backward(a, b, b_rows, b_rows, a_rows, 0)
+    return torch.linalg.vecdot(a.index_select(0, a_rows), b.index_select(0, b_rows))
+
+
 class _Permute(torch.autograd.Function):
     """x [N, D] -> x[token_idx] [M, D]; backward sums each token's row gradients (one pass)."""
 
@@ -128,7 +145,7 @@ class _Combine(torch.autograd.Function):
 
     y: [M, D] expert order; w: [M] combine weights in bag (token) order, in y's dtype.
     Forward is one weighted gather-sum; backward is one weighted gather for dy and one fused
-    gather-dot for dw (``embedding_bag``'s own per-sample-weight gradient kernel).
+    gather-dot for dw.
     """
 
     @staticmethod
@@ -146,13 +163,9 @@ class _Combine(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w_sorted = torch.empty_like(w)
             w_sorted[d.bags] = w  # expert order
-            grad_y = F.embedding_bag(  # grad_y[m] = w[m] * grad_out[token_idx[m]], one pass
-                d.token_idx.unsqueeze(1), grad_out, mode="sum", per_sample_weights=w_sorted.unsqueeze(1)
-            )
+            grad_y = scaled_gather(grad_out, d.token_idx, w_sorted)  # w[m] * grad_out[token_idx[m]]
         if ctx.needs_input_grad[1]:
-            grad_w = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-                grad_out, y, d.bags, d.bag_offsets[:-1], bag_tokens(d, ctx.k), 0
-            )
+            grad_w = gathered_dots(grad_out, bag_tokens(d, ctx.k), y, d.bags)
         return grad_y, grad_w, None, None
 
 
