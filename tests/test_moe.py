@@ -268,6 +268,21 @@ def test_chunked_equals_grouped_path(mlp, n_noop):
         assert b.abs().max() > 1e-3
 
 
+def test_chunked_under_autocast_equals_torch_backend():
+    """Under CPU autocast both expert paths compute in the parameters' dtype (fp32 here)."""
+    chunked, grouped = make(backend="chunked"), make(backend="torch")
+    grouped.load_state_dict(chunked.state_dict())
+    x = torch.randn(N, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = [layer(x) for layer in (chunked, grouped)]
+    assert outs[0].dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1], **TOL)
+    layers = (chunked, grouped)
+    grads = [torch.autograd.grad(o.sum(), [x, layer.experts.w1]) for o, layer in zip(outs, layers, strict=True)]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
 @pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
 def test_chunked_experts_gradcheck(swiglu):
     gen = torch.Generator().manual_seed(0)

@@ -121,4 +121,7 @@ def chunked_experts(
     bounds = [0, *torch.cumsum(counts, 0).tolist()]
     if bounds[-1] != token_idx.numel():
         raise ValueError(f"counts sum to {bounds[-1]} but there are {token_idx.numel()} assignments")
-    return _ChunkedExperts.apply(x, weights, w1, w2, w3, token_idx, bounds)
+    # NOTE: the experts compute in the inputs' dtype, as the grouped GEMM custom ops do: under
+    # autocast the GEMMs would come out in another dtype than the ``out`` they accumulate into.
+    with torch.autocast(x.device.type, enabled=False):
+        return _ChunkedExperts.apply(x, weights, w1, w2, w3, token_idx, bounds)
