@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from mode.experts.permute import gathered_dots, scaled_gather
 
 
-def _activation(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
-    """GELU(h1), or SwiGLU's silu(h1) * h3 when the up projection ``h3`` is given."""
+def expert_activation(h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
+    """The expert MLP's hidden activation: GELU(h1), or SwiGLU's silu(h1) * h3 when the up
+    projection ``h3`` is given."""
     return F.gelu(h1) if h3 is None else F.silu(h1) * h3
 
 
@@ -40,7 +41,7 @@ class _ChunkedExperts(torch.autograd.Function):
             xe = x.index_select(0, rows)  # [n_e, D]
             h1 = xe @ w1[e]  # [n_e, F]
             h3 = xe @ w3[e] if w3 is not None else None
-            act = _activation(h1, h3)
+            act = expert_activation(h1, h3)
             y = act @ w2[e]  # [n_e, D]
             out.index_add_(0, rows, y * weights[a:b, None])
             saved += [h1, act, y] if h3 is None else [h1, h3, act, y]

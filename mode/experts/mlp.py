@@ -6,10 +6,9 @@ Legend: M tokens in expert order, D model dim, F expert hidden dim, E experts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from mode.experts.chunked import chunked_experts
+from mode.experts.chunked import chunked_experts, expert_activation
 from mode.experts.grouped_gemm import get_backend, resolve_name
 
 
@@ -71,11 +70,11 @@ class ExpertMLP(nn.Module):
         d_model, d_ff = self.w1.shape[1:]
         gmm = get_backend(self.backend, x.device, x.dtype, d_model, d_ff)
         h = gmm(x, self.w1, counts)
-        h = F.silu(h) * gmm(x, self.w3, counts) if self.w3 is not None else F.gelu(h)
+        h = expert_activation(h, gmm(x, self.w3, counts) if self.w3 is not None else None)
         return gmm(h, self.w2, counts)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """x: [E, C, D] padded per-expert buffers -> [E, C, D] with batched matmuls."""
         h = torch.bmm(x, self.w1)
-        h = F.silu(h) * torch.bmm(x, self.w3) if self.w3 is not None else F.gelu(h)
+        h = expert_activation(h, torch.bmm(x, self.w3) if self.w3 is not None else None)
         return torch.bmm(h, self.w2)
