@@ -163,15 +163,13 @@ class MoDBlock(Routed):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         check_routing(routing)
-        if positions is None:
-            positions = default_positions(x)
         if routing == "causal":
-            return self._forward_causal(x, positions, cache)
+            return self._forward_causal(x, default_positions(x) if positions is None else positions, cache)
         if cache is not None:
             raise ValueError("a KV cache needs routing='causal' (top-k routing looks at later tokens)")
         return self._forward_topk(x, positions)
 
-    def _forward_topk(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward_topk(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         self.clear_aux()
         if self.causal == "router_bce":
             scores = self.router_logits(x)  # every token's score gets the BCE gradient
@@ -189,7 +187,8 @@ class MoDBlock(Routed):
             return x
         x_sel, x = take_tokens(x, plan.indices)  # [B, k, D] and the residual stream
         weights = plan.weights if scores.requires_grad else self.router_logits(x_sel)  # [B, k]
-        delta = self.block.delta(x_sel, positions.gather(1, plan.indices))  # [B, k, D]
+        chosen_positions = plan.indices if positions is None else positions.gather(1, plan.indices)
+        delta = self.block.delta(x_sel, chosen_positions)  # [B, k, D]
         g = GATES[self.gate](weights).unsqueeze(-1)  # [B, k, 1]
         return scatter_add_tokens(x, plan.indices, g.to(delta.dtype) * delta)
 

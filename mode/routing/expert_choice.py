@@ -34,49 +34,72 @@ def capacity_to_k(capacity: float, seq_len: int) -> int:
 def expert_choice_topk(scores: torch.Tensor, capacity: float) -> RoutePlan:
     """Choose the top-k tokens of each row of ``scores`` ([B, T]).
 
-    Exactly k = floor(capacity * T) tokens per row. Ties are broken by lower position
-    (a stable descending sort), so the choice is deterministic. The returned indices are
-    sorted by position so that causal attention over the chosen tokens is causal by
-    original position.
+    Exactly k = floor(capacity * T) tokens per row. Ties are broken by lower position, so
+    the choice is deterministic (the same as a stable descending sort), and NaN scores count
+    as +inf, so they never break exact-k. The returned indices are sorted by position so that
+    causal attention over the chosen tokens is causal by original position.
+
+    Cost: one ``topk`` for the k-th largest score, a few elementwise passes over [B, T] for
+    the tie-break, and a ``nonzero_static`` that lists the chosen positions in order; no sort
+    of the sequence (a stable sort of [B, T] costs ~10x more on CPU) and no data-dependent
+    shape, so it runs under ``torch.compile(fullgraph=True)`` and without a host sync.
     """
     if scores.dim() != 2:
         raise ValueError(f"scores must be [B, T], got shape {tuple(scores.shape)}")
     B, T = scores.shape
     k = capacity_to_k(capacity, T)
-    # NOTE: torch.topk gives no tie-breaking guarantee; a stable sort does (lower index first).
-    order = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices
-    indices = torch.sort(order[:, :k], dim=-1).values  # [B, k], ascending positions
-    weights = scores.gather(1, indices)
-    mask = torch.zeros(B, T, dtype=torch.bool, device=scores.device)
-    mask.scatter_(1, indices, True)
-    return RoutePlan(indices, weights, mask)
+    s = torch.nan_to_num(scores.detach(), nan=float("inf"))
+    if k == 0:
+        mask = torch.zeros(B, T, dtype=torch.bool, device=scores.device)
+    else:
+        kth = torch.topk(s, k, dim=-1).values[:, -1:]  # [B, 1] k-th largest score
+        above = s > kth
+        tied = s == kth
+        # NOTE: torch.topk gives no tie-breaking guarantee: of the tokens tied at the k-th
+        # score, take the lowest positions until the row has exactly k.
+        missing = k - above.sum(dim=-1, keepdim=True)
+        mask = above | (tied & (tied.cumsum(dim=-1) <= missing))
+    indices = torch.nonzero_static(mask, size=B * k)[:, 1].view(B, k)  # row-major: ascending
+    return RoutePlan(indices, scores.gather(1, indices), mask)
+
+
+def token_rows(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[B, k] positions -> [B * k] rows of the flattened ``[B * T, D]`` token matrix."""
+    offsets = torch.arange(indices.shape[0], device=indices.device).unsqueeze(1) * seq_len
+    return (indices + offsets).flatten()
 
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """x: [B, T, D], indices: [B, k] -> [B, k, D]."""
-    return x.gather(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    B, T, D = x.shape
+    return x.reshape(B * T, D).index_select(0, token_rows(indices, T)).view(B, -1, D)
 
 
 class _TakeTokens(torch.autograd.Function):
-    """(x, indices) -> (x[indices] [B, k, D], alias of x [B, T, D]).
+    """(x, rows) -> (x[rows] [B, k, D], alias of x [B, T, D]), rows from ``token_rows``.
 
     Backward receives the gradient of both outputs at once and returns
-    ``grad_alias + scatter(grad_sel)`` with one copy and a k-row ``scatter_add_``, instead of
+    ``grad_alias + scatter(grad_sel)`` with one copy and a k-row ``index_add_``, instead of
     autograd's zero-fill, scatter and full-size add of two separate gradients.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, indices: torch.Tensor):
-        ctx.save_for_backward(indices)
+    def forward(ctx, x: torch.Tensor, rows: torch.Tensor):
+        B, T, D = x.shape
+        ctx.save_for_backward(rows)
         ctx.x_shape = x.shape
-        return gather_tokens(x, indices), x.view_as(x)
+        return x.reshape(B * T, D).index_select(0, rows).view(B, -1, D), x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_sel: torch.Tensor | None, grad_x: torch.Tensor | None):
-        (indices,) = ctx.saved_tensors
-        out = grad_x.clone() if grad_x is not None else grad_sel.new_zeros(ctx.x_shape)
+        (rows,) = ctx.saved_tensors
+        B, T, D = ctx.x_shape
+        if grad_x is not None:
+            out = grad_x.clone(memory_format=torch.contiguous_format)
+        else:
+            out = grad_sel.new_zeros(ctx.x_shape)
         if grad_sel is not None:
-            out.scatter_add_(1, indices.unsqueeze(-1).expand(-1, -1, out.shape[-1]), grad_sel)
+            out.view(B * T, D).index_add_(0, rows, grad_sel.reshape(-1, D))
         return out, None
 
 
@@ -86,10 +109,12 @@ def take_tokens(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, t
     x: [B, T, D], indices: [B, k] -> (x_sel [B, k, D], x [B, T, D]). Values equal
     ``(gather_tokens(x, indices), x)``; use both outputs so the backward is a single pass.
     """
-    return _TakeTokens.apply(x, indices)
+    return _TakeTokens.apply(x, token_rows(indices, x.shape[1]))
 
 
 def scatter_add_tokens(x: torch.Tensor, indices: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     """Return ``x`` with ``update`` ([B, k, D]) added at ``indices`` ([B, k]); other rows are ``x``
     bit for bit (out of place, differentiable w.r.t. both)."""
-    return x.scatter_add(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update.to(x.dtype))
+    B, T, D = x.shape
+    rows = token_rows(indices, T)
+    return x.reshape(B * T, D).index_add(0, rows, update.reshape(-1, D).to(x.dtype)).view(B, T, D)
