@@ -3,7 +3,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mode.routing.expert_choice import capacity_to_k, expert_choice_topk
+from mode.routing.expert_choice import (
+    add_gated_tokens,
+    capacity_to_k,
+    expert_choice_topk,
+    gather_tokens,
+    take_tokens,
+)
 from tests.reference import topk_reference
 
 CASES = [(1, 8, 0.5), (3, 16, 0.125), (2, 7, 0.3), (4, 32, 1.0), (2, 10, 0.0)]
@@ -55,3 +61,46 @@ def test_property_chosen_scores_dominate(B, T, capacity, seed):
         chosen_min = scores.masked_fill(~plan.mask, float("inf")).min(dim=1).values
         other_max = scores.masked_fill(plan.mask, float("-inf")).max(dim=1).values
         assert torch.all(chosen_min >= other_max)
+
+
+def test_nan_scores_count_as_highest_and_keep_exact_k():
+    scores = torch.tensor([[0.5, float("nan"), 2.0, float("nan"), -1.0, float("inf")]])
+    plan = expert_choice_topk(scores, 0.5)  # k = 3: NaN, NaN (as +inf), then +inf by position
+    assert plan.indices.tolist() == [[1, 3, 5]]
+    assert plan.mask.sum().item() == 3
+    all_nan = expert_choice_topk(torch.full((2, 8), float("nan")), 0.25)
+    assert all_nan.indices.tolist() == [[0, 1], [0, 1]]
+
+
+def test_gather_and_take_tokens_match_indexing():
+    x = torch.randn(3, 10, 4, requires_grad=True)
+    indices = torch.tensor([[0, 4, 9], [1, 2, 3], [5, 7, 8]])
+    expected = torch.stack([x[b, indices[b]] for b in range(3)])
+    assert torch.equal(gather_tokens(x, indices), expected)
+    x_sel, alias = take_tokens(x, indices)
+    assert torch.equal(x_sel, expected) and torch.equal(alias, x)
+    g_sel, g_alias = torch.randn_like(x_sel), torch.randn_like(x)
+    (grad,) = torch.autograd.grad((x_sel * g_sel).sum() + (alias * g_alias).sum(), x)
+    (ref,) = torch.autograd.grad((expected * g_sel).sum() + (x * g_alias).sum(), x)
+    torch.testing.assert_close(grad, ref, rtol=0, atol=1e-6)
+
+
+def add_gated_reference(x, indices, gate, update):
+    out = x.clone()
+    for b in range(x.shape[0]):
+        for j, t in enumerate(indices[b].tolist()):
+            out[b, t] = x[b, t] + gate[b, j] * update[b, j]
+    return out
+
+
+def test_add_gated_tokens_values_grads_and_untouched_rows():
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
+    indices = torch.tensor([[0, 3, 8], [2, 4, 5]])
+    gate = torch.rand(2, 3, dtype=torch.float64, requires_grad=True)
+    update = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    out = add_gated_tokens(x, indices, gate, update)
+    torch.testing.assert_close(out, add_gated_reference(x, indices, gate, update), rtol=0, atol=1e-12)
+    untouched = torch.ones(2, 9, dtype=torch.bool).scatter_(1, indices, False)
+    assert torch.equal(out[untouched], x[untouched])  # bit-exact
+    assert torch.autograd.gradcheck(lambda *a: add_gated_tokens(a[0], indices, a[1], a[2]), (x, gate, update))

@@ -25,7 +25,7 @@ from mode.layers.kv_cache import KVCache
 from mode.layers.mlp import MLP
 from mode.layers.predictor import RoutingPredictor
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
-from mode.routing.expert_choice import capacity_to_k, expert_choice_topk, scatter_add_tokens, take_tokens
+from mode.routing.expert_choice import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
 
 GATES = {"sigmoid": torch.sigmoid, "identity": lambda r: r, "none": torch.ones_like}
 ROUTING_MODES = ("topk", "causal")
@@ -185,12 +185,12 @@ class MoDBlock(Routed):
         self.metrics["routed_share"] = k / x.shape[1]
         if k == 0:
             return x
-        x_sel, x = take_tokens(x, plan.indices)  # [B, k, D] and the residual stream
+        rows = token_rows(plan.indices, x.shape[1])  # [B * k] rows of x.view(B * T, D)
+        x_sel, x = take_tokens(x, plan.indices, rows)  # [B, k, D] and the residual stream
         weights = plan.weights if scores.requires_grad else self.router_logits(x_sel)  # [B, k]
         chosen_positions = plan.indices if positions is None else positions.gather(1, plan.indices)
         delta = self.block.delta(x_sel, chosen_positions)  # [B, k, D]
-        g = GATES[self.gate](weights).unsqueeze(-1)  # [B, k, 1]
-        return scatter_add_tokens(x, plan.indices, g.to(delta.dtype) * delta)
+        return add_gated_tokens(x, plan.indices, GATES[self.gate](weights), delta, rows)
 
     def _record_causal_losses(self, x: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor) -> None:
         if self.causal == "none":

@@ -103,18 +103,59 @@ class _TakeTokens(torch.autograd.Function):
         return out, None
 
 
-def take_tokens(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def take_tokens(
+    x: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather the chosen tokens and an alias of ``x`` for the residual path.
 
     x: [B, T, D], indices: [B, k] -> (x_sel [B, k, D], x [B, T, D]). Values equal
     ``(gather_tokens(x, indices), x)``; use both outputs so the backward is a single pass.
+    ``rows`` = ``token_rows(indices, T)`` when the caller has it already.
     """
-    return _TakeTokens.apply(x, token_rows(indices, x.shape[1]))
+    return _TakeTokens.apply(x, token_rows(indices, x.shape[1]) if rows is None else rows)
 
 
-def scatter_add_tokens(x: torch.Tensor, indices: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """Return ``x`` with ``update`` ([B, k, D]) added at ``indices`` ([B, k]); other rows are ``x``
-    bit for bit (out of place, differentiable w.r.t. both)."""
+class _AddGatedTokens(torch.autograd.Function):
+    """(x [B, T, D], rows [n], gate [n], update [n, D]) -> x with ``gate * update`` added at rows.
+
+    One autograd node for the gate multiply and the scatter: the backward gathers the k rows
+    of the output gradient once and derives both the update's and the gate's gradients from
+    them; the residual's gradient is the output gradient itself (no copy).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: torch.Tensor, gate: torch.Tensor, update: torch.Tensor):
+        B, T, D = x.shape
+        ctx.save_for_backward(rows, gate, update)
+        out = x.clone(memory_format=torch.contiguous_format)
+        out.view(B * T, D).index_add_(0, rows, (update * gate.to(update.dtype).unsqueeze(-1)).to(x.dtype))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, gate, update = ctx.saved_tensors
+        grad_gate = grad_update = None
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            grad_rows = grad.reshape(-1, grad.shape[-1]).index_select(0, rows).to(update.dtype)  # [n, D]
+            if ctx.needs_input_grad[2]:
+                grad_gate = torch.linalg.vecdot(grad_rows, update).to(gate.dtype)
+            if ctx.needs_input_grad[3]:
+                grad_update = grad_rows * gate.to(update.dtype).unsqueeze(-1)
+        return grad, None, grad_gate, grad_update
+
+
+def add_gated_tokens(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    gate: torch.Tensor,
+    update: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Return ``x`` with ``gate * update`` added at ``indices``; other rows are ``x`` bit for bit.
+
+    x: [B, T, D], indices: [B, k], gate: [B, k], update: [B, k, D] -> [B, T, D], out of place,
+    differentiable w.r.t. x, gate and update. ``rows`` = ``token_rows(indices, T)`` if known.
+    """
     B, T, D = x.shape
-    rows = token_rows(indices, T)
-    return x.reshape(B * T, D).index_add(0, rows, update.reshape(-1, D).to(x.dtype)).view(B, T, D)
+    rows = token_rows(indices, T) if rows is None else rows
+    return _AddGatedTokens.apply(x, rows, gate.reshape(-1), update.reshape(-1, D))
