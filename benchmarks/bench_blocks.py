@@ -3,9 +3,11 @@
     python benchmarks/bench_blocks.py                 # d 512, 8 heads, seq 1024, batch 4, fp32, CPU
     python benchmarks/bench_blocks.py --device cuda --dtype bfloat16 --label h200
 
-Every candidate is timed round-robin in one run (median of repeats after warm-up), each
-repeat one training step's forward + backward (see ``common.fwd_bwd_step``). Beside each MoD
-block the benchmark times its *floor*: the same inner block run directly on ``k`` tokens per
+Each capacity is timed in its own round-robin with the dense block (dense, MoD, floor; median
+of repeats after warm-up, see ``common.interleaved_median_times``), so each ratio divides two
+times measured side by side; ``--one-rotation`` times every candidate in one round-robin
+instead. Each repeat is one training step's forward + backward (``common.fwd_bwd_step``).
+Beside each MoD block the benchmark times its *floor*: the same inner block run directly on ``k`` tokens per
 sequence that were gathered beforehand (no router, no top-k, no gather/scatter, no full-size
 residual). ``floor/FLOP`` is what the inner block alone costs per FLOP at that size, and
 ``routing`` = (MoD - floor) / dense is everything routing adds.
@@ -16,6 +18,7 @@ Targets: MoD at capacity 0.125 <= 0.11x dense; at every capacity time ratio <= 1
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -53,6 +56,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--label", default=None)
+    p.add_argument(
+        "--one-rotation",
+        action="store_true",
+        help="time every candidate in one round-robin instead of one per capacity (dense, MoD, floor)",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     d, h, T, B = args.d_model, args.n_heads, args.seq, args.batch
@@ -60,7 +68,8 @@ def main() -> None:
     x = torch.randn(B, T, d, device=dev, dtype=dtype, requires_grad=True)
     gy = torch.randn(B, T, d, device=dev, dtype=dtype)
     dense = DenseBlock(d, h).to(dev, dtype)
-    fns = {"dense": lambda: fwd_bwd_step(dense, x, gy)}
+    dense_fn = lambda: fwd_bwd_step(dense, x, gy)  # noqa: E731
+    groups: dict[float, dict] = {}  # capacity -> {name: fn}, each timed with the dense block
     flop_ratio = {}
     for c in args.capacities:
         cfg = load_config(
@@ -69,7 +78,7 @@ def main() -> None:
         flop_ratio[c] = block_flops("mod", cfg) / block_flops("dense", cfg)
         mod = MoDBlock(d, h, capacity=c).to(dev, dtype)
         mod.block.load_state_dict(dense.state_dict())
-        fns[f"mod {c}"] = lambda mod=mod: fwd_bwd_step(mod, x, gy)
+        groups[c] = {f"mod {c}": lambda mod=mod: fwd_bwd_step(mod, x, gy)}
         k = capacity_to_k(c, T)
         if k:
             # Floor: evenly spread positions (attention cost depends only on k, not on which tokens).
@@ -77,24 +86,35 @@ def main() -> None:
             x_sel = torch.randn(B, k, d, device=dev, dtype=dtype, requires_grad=True)
             g_sel = torch.randn(B, k, d, device=dev, dtype=dtype)
             inner = InnerOnly(mod.block, positions)
-            fns[f"floor {c}"] = lambda inner=inner, x_sel=x_sel, g_sel=g_sel: fwd_bwd_step(inner, x_sel, g_sel)
+            groups[c][f"floor {c}"] = lambda inner=inner, x_sel=x_sel, g_sel=g_sel: fwd_bwd_step(inner, x_sel, g_sel)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
-    times = interleaved_median_times(fns, args.warmup, args.repeats, sync=sync)
-    dense_s = times["dense"]
+    dense_at: dict[float, float] = {}  # the dense time each capacity's ratio divides by
+    times: dict[str, float] = {}
+    if args.one_rotation:
+        all_fns = {"dense": dense_fn} | {n: f for g in groups.values() for n, f in g.items()}
+        times = interleaved_median_times(all_fns, args.warmup, args.repeats, sync=sync)
+        dense_at = dict.fromkeys(args.capacities, times["dense"])
+    else:
+        for c, group in groups.items():
+            t = interleaved_median_times({"dense": dense_fn} | group, args.warmup, args.repeats, sync=sync)
+            dense_at[c] = t.pop("dense")
+            times |= t
+    dense_s = statistics.median(dense_at.values())
     rows = [{"block": "dense", "capacity": 1.0, "ms": 1000 * dense_s, "time_ratio": 1.0, "flop_ratio": 1.0}]
     for c in args.capacities:
-        s, floor = times[f"mod {c}"], times.get(f"floor {c}")
+        s, floor, ref = times[f"mod {c}"], times.get(f"floor {c}"), dense_at[c]
         rows.append(
             {
                 "block": "mod",
                 "capacity": c,
                 "ms": 1000 * s,
-                "time_ratio": s / dense_s,
+                "dense_ms": 1000 * ref,
+                "time_ratio": s / ref,
                 "flop_ratio": flop_ratio[c],
-                "time_over_flop": (s / dense_s) / flop_ratio[c],
+                "time_over_flop": (s / ref) / flop_ratio[c],
                 "floor_ms": 1000 * floor if floor is not None else None,
-                "floor_over_flop": (floor / dense_s) / flop_ratio[c] if floor is not None else None,
-                "routing_share": (s - floor) / dense_s if floor is not None else None,
+                "floor_over_flop": (floor / ref) / flop_ratio[c] if floor is not None else None,
+                "routing_share": (s - floor) / ref if floor is not None else None,
             }
         )
     threads = torch.get_num_threads()
@@ -105,6 +125,7 @@ def main() -> None:
             ("block", "block", ""),
             ("capacity", "capacity", ".4f"),
             ("ms", "ms", ".1f"),
+            ("dense_ms", "dense ms", ".1f"),
             ("time_ratio", "time/dense", ".3f"),
             ("flop_ratio", "FLOP/dense", ".3f"),
             ("time_over_flop", "time/FLOP", ".2f"),

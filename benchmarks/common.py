@@ -33,13 +33,18 @@ def interleaved_median_times(
     repeats: int = 7,
     sync: Callable[[], object] | None = None,
     settle: int = 1,
+    settle_s: float = 0.25,
 ) -> dict[str, float]:
     """Median seconds of each function, timed round-robin (one timed call of each per round)
     so that drift in machine speed hits every candidate alike; ratios between them are fair.
 
-    ``settle`` untimed calls precede each timed call, so that each candidate is timed in its
-    own steady state (allocator and caches as after a call of itself, as in a training loop
-    that repeats one step) rather than in the state the previous candidate left.
+    Before each timed call the candidate runs untimed for at least ``settle`` calls and
+    ``settle_s`` seconds, so that each candidate is timed in its own steady state (allocator,
+    caches and CPU as after a stretch of its own calls, as in a training loop that repeats one
+    step) rather than in the state the previous candidate left. The time floor matters for
+    short candidates: on the 2-core development VM any switch of work (another candidate, even
+    a 50 ms sleep) leaves the next 70-250 ms of work up to 20% slower (RESULTS.md, "Timing"),
+    a transient that one settle call of a 20 ms block does not outlast.
     ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each clock read on async devices.
     """
     sync = sync or (lambda: None)
@@ -49,9 +54,12 @@ def interleaved_median_times(
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            for _ in range(settle):
-                fn()
             sync()
+            t_settle, calls = time.perf_counter(), 0
+            while calls < settle or time.perf_counter() - t_settle < settle_s:
+                fn()
+                sync()
+                calls += 1
             t0 = time.perf_counter()
             fn()
             sync()
