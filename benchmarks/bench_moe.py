@@ -63,8 +63,8 @@ def build_layers(args, dtype, base: DroplessMoE) -> dict[str, torch.nn.Module]:
     for name in ["auto", *BACKENDS]:
         if name != "auto" and unavailable_reason(name, torch.device(args.device), dtype, d, f):
             continue
-        label = f"dropless[auto={resolve_name(name, args.device, dtype, d, f)}]" if name == "auto" else name
-        layers[label if name == "auto" else f"dropless[{name}]"] = DroplessMoE(d, f, E, K, backend=name)
+        shown = resolve_name(name, args.device, dtype, d, f, rows=args.tokens * K) if name == "auto" else None
+        layers[f"dropless[auto={shown}]" if shown else f"dropless[{name}]"] = DroplessMoE(d, f, E, K, backend=name)
     for cf in (1.0, 1.25, 2.0):
         layers[f"capacity cf={cf}"] = CapacityMoE(d, f, E, K, capacity_factor=cf)
     for layer in layers.values():

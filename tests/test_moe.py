@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mode.experts.chunked import chunked_experts
-from mode.experts.grouped_gemm import get_backend, gmm_loop, gmm_torch, resolve_name
+from mode.experts.grouped_gemm import CHUNKED_MIN_BYTES, get_backend, gmm_loop, gmm_torch, resolve_name
 from mode.experts.moe import CapacityMoE, DroplessMoE
 from mode.experts.permute import combine, permute, sort_by_expert, sorted_weights, unpermute
 from mode.layers.blocks import MoEBlock
@@ -231,9 +231,21 @@ def test_moe_block_torch_compile():
     torch.testing.assert_close(compiled(x), blk(x), **TOL)
 
 
-def test_moe_block_torch_compile_auto_backend():
-    """Compiled, ``auto`` on CPU takes the grouped path (static shapes); eager takes chunked."""
+def test_auto_backend_on_cpu_chooses_by_size():
+    """``auto`` runs small batches through the grouped path and large ones chunked, and the
+    layer's output is the same either way."""
     layer = make()
+    x = torch.randn(2, 8, D)
+    assert not layer.experts.runs_chunked(x.view(-1, D), rows=16)
+    assert layer.experts.runs_chunked(x.view(-1, D), rows=CHUNKED_MIN_BYTES // (D * 4))
+    chunked = make(backend="chunked")
+    chunked.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(layer(x), chunked(x), **TOL)
+
+
+def test_moe_block_torch_compile_chunked_backend():
+    """Compiled, ``chunked`` takes the grouped path (static shapes); eager takes chunked."""
+    layer = make(backend="chunked")
     blk = MoEBlock(D, 4, layer)
     x = torch.randn(2, 8, D)
     assert layer.experts.runs_chunked(x)
@@ -311,7 +323,13 @@ def test_chunked_experts_rejects_inconsistent_inputs():
 
 
 def test_backend_registry_explains_itself():
-    assert resolve_name("auto", "cpu", torch.float32, 512, 1024) == "chunked"
+    assert resolve_name("auto", "cpu", torch.float32, 512, 1024) == "chunked"  # size unknown
+    # On CPU, auto is chunked once the [M, D] sorted-token buffer reaches CHUNKED_MIN_BYTES:
+    big = CHUNKED_MIN_BYTES // (512 * 4)  # rows of fp32 d 512 that make the buffer that size
+    assert resolve_name("auto", "cpu", torch.float32, 512, 1024, rows=big) == "chunked"
+    assert resolve_name("auto", "cpu", torch.float32, 512, 1024, rows=big - 1) == "torch"
+    assert resolve_name("auto", "cpu", torch.bfloat16, 512, 1024, rows=big) == "torch"  # half the bytes
+    assert resolve_name("auto", "cpu", torch.float64, 512, 1024, rows=8) == "loop"  # no grouped_mm
     assert resolve_name("auto", "cuda", torch.bfloat16, 512, 1024) in ("megablocks", "torch")
     assert resolve_name("auto", "cuda", torch.float32, 512, 1024) == "loop"  # CUDA grouped_mm: bf16/fp16
     # chunked's grouped GEMM (tokens that arrive sorted, e.g. expert parallelism):

@@ -7,7 +7,9 @@ CPU those full-size buffers cost more than the routing itself: each is a fresh a
 MLP and adds its weighted output straight into ``out``; the per-expert temporaries are a few
 MB, come from the allocator's free lists and stay in cache. The backward gathers each
 expert's input rows from ``x`` again instead of keeping an [M, D] copy, so this path also
-saves M*D activations. It is the default (``backend="auto"``) on CPU.
+saves M*D activations. ``backend="auto"`` uses it on CPU once the [M, D] buffer it avoids
+would reach ``grouped_gemm.CHUNKED_MIN_BYTES`` (below that, its per-expert loop of small ops
+costs more than the buffers: benchmarks/bench_moe_auto.py).
 
 Legend: N tokens, D model dim, F expert hidden dim, E experts, M dispatched assignments
 (grouped by expert, as in ``Dispatch``).

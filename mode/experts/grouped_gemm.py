@@ -15,7 +15,9 @@ are multiplied by ``w[e]``. Backends:
   is still needed (tokens that arrive sorted, e.g. under expert parallelism) it uses
   ``torch`` where supported, else ``loop``.
 - ``auto``: on CUDA megablocks when importable, else torch where supported, else loop; on
-  other devices ``chunked`` (the fastest on CPU: see benchmarks/bench_moe.py).
+  other devices ``chunked`` once the [M, D] sorted-token buffer it avoids would reach
+  ``CHUNKED_MIN_BYTES``, else torch where supported, else loop (benchmarks/RESULTS.md,
+  "auto on CPU").
 """
 
 from __future__ import annotations
@@ -134,16 +136,35 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, k: i
     return _REASONS[name](torch.device(device), dtype, k, m)
 
 
-def resolve_name(name: str, device: torch.device | str, dtype: torch.dtype, k: int = 64, m: int = 64) -> str:
-    """The concrete backend for inputs on ``device``/``dtype`` with inner dims K, M.
+# NOTE: measured with benchmarks/bench_moe_auto.py on 2 CPU cores (fp32 and bf16, d 256-1024,
+# 512-8192 tokens): chunked takes 0.84-0.93x the grouped path's time once the [M, D] buffer of
+# sorted tokens that it never builds reaches 16 MiB, and 0.98-1.26x below that.
+CHUNKED_MIN_BYTES = 16 * 2**20
 
-    ``auto`` tries megablocks, torch, loop in that order on CUDA and is ``chunked`` elsewhere.
-    A named backend that cannot run raises ``RuntimeError`` saying why and what to install.
+
+def resolve_name(
+    name: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    k: int = 64,
+    m: int = 64,
+    rows: int | None = None,
+) -> str:
+    """The concrete backend on ``device``/``dtype`` for GEMMs of inner dim ``k`` and output
+    dim ``m`` (d_model, d_ff) over ``rows`` expert assignments.
+
+    ``auto`` tries megablocks, torch, loop in that order on CUDA. Elsewhere it is ``chunked``
+    when ``rows * k`` elements of ``dtype`` reach ``CHUNKED_MIN_BYTES`` or ``rows`` is unknown
+    (None), and otherwise torch where supported, else loop. A named backend that cannot run
+    raises ``RuntimeError`` saying why and what to install.
     """
     device = torch.device(device)
     if name == "auto":
         if device.type != "cuda":
-            return "chunked"
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if rows is None or rows * k * itemsize >= CHUNKED_MIN_BYTES:
+                return "chunked"
+            return "loop" if unavailable_reason("torch", device, dtype, k, m) else "torch"
         reasons = {}
         for candidate in ("megablocks", "torch", "loop"):
             reason = unavailable_reason(candidate, device, dtype, k, m)

@@ -42,12 +42,13 @@ class ExpertMLP(nn.Module):
     def n_experts(self) -> int:
         return self.w1.shape[0]
 
-    def runs_chunked(self, x: torch.Tensor) -> bool:
-        """Whether the backend for ``x`` is ``chunked`` (token order in and out, see
-        ``forward``). Under ``torch.compile`` the grouped path is used instead: its shapes do
-        not depend on the routing."""
+    def runs_chunked(self, x: torch.Tensor, rows: int | None = None) -> bool:
+        """Whether the backend for ``x`` ([N, D]) and ``rows`` expert assignments is ``chunked``
+        (token order in and out, see ``forward``; ``auto`` decides by size, see
+        ``grouped_gemm.resolve_name``). Under ``torch.compile`` the grouped path is used
+        instead: its shapes do not depend on the routing."""
         d_model, d_ff = self.w1.shape[1:]
-        chunked = resolve_name(self.backend, x.device, x.dtype, d_model, d_ff) == "chunked"
+        chunked = resolve_name(self.backend, x.device, x.dtype, d_model, d_ff, rows) == "chunked"
         return chunked and not torch.compiler.is_compiling()
 
     def forward(

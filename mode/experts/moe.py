@@ -51,7 +51,8 @@ class MoELayer(Routed):
     Args:
         d_model, d_ff: model and per-expert hidden sizes.
         n_experts, top_k: real experts and experts per token.
-        mlp: "gelu" or "swiglu". backend: grouped GEMM backend ("auto", "torch", "loop", "megablocks").
+        mlp: "gelu" or "swiglu".
+        backend: "auto", "chunked", "torch", "loop" or "megablocks" (``mode.experts.grouped_gemm``).
         router: "token_choice" (top-k experts per token) or "expert_choice" (each expert takes
             its top-C tokens, C = ceil(capacity_factor * N * K / E)).
         renormalize: top-k combine weights sum to one. jitter: router input noise (training).
@@ -185,7 +186,7 @@ class MoELayer(Routed):
         raise NotImplementedError
 
     def _run_dispatch(self, x2: torch.Tensor, choice: TokenChoice, dispatch: Dispatch) -> torch.Tensor:
-        if self.dispatcher is local_dispatch and self.experts.runs_chunked(x2):
+        if self.dispatcher is local_dispatch and self.experts.runs_chunked(x2, dispatch.token_idx.numel()):
             weights = sorted_weights(choice.weights, dispatch)
             return self.experts(x2, dispatch.counts, token_idx=dispatch.token_idx, weights=weights)
         y = self.dispatcher(permute(x2, dispatch), dispatch.counts, self.experts)
