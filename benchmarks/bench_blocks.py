@@ -7,9 +7,9 @@ Each capacity is timed in its own round-robin with the dense block (dense, MoD, 
 of repeats after warm-up, see ``common.interleaved_median_times``), so each ratio divides two
 times measured side by side; ``--one-rotation`` times every candidate in one round-robin
 instead. Each repeat is one training step's forward + backward (``common.fwd_bwd_step``).
-Beside each MoD block the benchmark times its *floor*: the same inner block run directly on ``k`` tokens per
-sequence that were gathered beforehand (no router, no top-k, no gather/scatter, no full-size
-residual). ``floor/FLOP`` is what the inner block alone costs per FLOP at that size, and
+Beside each MoD block the benchmark times its *floor*: the same inner block run directly on
+``k`` tokens per sequence that were gathered beforehand (no router, no top-k, no
+gather/scatter, no full-size residual). ``floor/FLOP`` is what the inner block alone costs per FLOP at that size, and
 ``routing`` = (MoD - floor) / dense is everything routing adds.
 
 Targets: MoD at capacity 0.125 <= 0.11x dense; at every capacity time ratio <= 1.15x FLOP ratio.

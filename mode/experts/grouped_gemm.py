@@ -94,7 +94,7 @@ def _torch_reason(device: torch.device, dtype: torch.dtype, k: int, m: int) -> s
         return "torch._grouped_mm on CUDA supports bf16/fp16 only"
     if device.type not in ("cpu", "cuda"):
         return f"torch._grouped_mm is not available on {device.type}"
-    align = 16 // torch.empty((), dtype=dtype).element_size()
+    align = 16 // dtype.itemsize
     if k % align or m % align:
         return f"dims K={k}, M={m} must be multiples of {align} for 16-byte-aligned rows in {dtype}"
     return None
@@ -136,6 +136,11 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, k: i
     return _REASONS[name](torch.device(device), dtype, k, m)
 
 
+def _grouped_fallback(device: torch.device, dtype: torch.dtype, k: int, m: int) -> str:
+    """The grouped GEMM off CUDA (``chunked``'s, and ``auto``'s for small batches)."""
+    return "loop" if unavailable_reason("torch", device, dtype, k, m) else "torch"
+
+
 # NOTE: measured with benchmarks/bench_moe_auto.py on 2 CPU cores (fp32 and bf16, d 256-1024,
 # 512-8192 tokens): chunked takes 0.84-0.93x the grouped path's time once the [M, D] buffer of
 # sorted tokens that it never builds reaches 16 MiB, and 0.98-1.26x below that.
@@ -161,10 +166,9 @@ def resolve_name(
     device = torch.device(device)
     if name == "auto":
         if device.type != "cuda":
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if rows is None or rows * k * itemsize >= CHUNKED_MIN_BYTES:
+            if rows is None or rows * k * dtype.itemsize >= CHUNKED_MIN_BYTES:
                 return "chunked"
-            return "loop" if unavailable_reason("torch", device, dtype, k, m) else "torch"
+            return _grouped_fallback(device, dtype, k, m)
         reasons = {}
         for candidate in ("megablocks", "torch", "loop"):
             reason = unavailable_reason(candidate, device, dtype, k, m)
@@ -185,7 +189,7 @@ def get_backend(
     ``chunked`` uses ``torch`` where supported, else ``loop``."""
     resolved = resolve_name(name, device, dtype, k, m)
     if resolved == "chunked":
-        resolved = "loop" if unavailable_reason("torch", torch.device(device), dtype, k, m) else "torch"
+        resolved = _grouped_fallback(torch.device(device), dtype, k, m)
     return BACKENDS[resolved]
 
 
