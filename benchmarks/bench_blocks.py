@@ -12,6 +12,17 @@ Beside each MoD block the benchmark times its *floor*: the same inner block run 
 gather/scatter, no full-size residual). ``floor/FLOP`` is what the inner block alone costs per FLOP at that size, and
 ``routing`` = (MoD - floor) / dense is everything routing adds.
 
+Two things outside the routing code move these ratios (RESULTS.md, "What the block ratios
+measure"): FLOPs count causal attention's full T^2 score matrix (as ``FlopCounterMode`` does)
+while the dense block's flash kernel skips the masked half, so a block with less attention
+looks slower per counted FLOP; ``time/FLOP*`` divides by FLOPs without the masked half. And
+with glibc's default malloc the dense block's large activations go back to the OS when freed
+and are page-faulted afresh every step (``faults/step``), which slows the dense reference by
+several percent. To keep freed memory in the heap (the setting is recorded in the JSON):
+
+    GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296 \
+        python benchmarks/bench_blocks.py --label tuned-malloc
+
 Targets: MoD at capacity 0.125 <= 0.11x dense; at every capacity time ratio <= 1.15x FLOP ratio.
 """
 
@@ -25,7 +36,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fwd_bwd_step, interleaved_median_times, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    fwd_bwd_step,
+    interleaved_median_times,
+    minor_faults_per_call,
+    print_table,
+    write_json,
+)
 
 from mode.config import load_config  # noqa: E402
 from mode.flops import block_flops  # noqa: E402
@@ -70,12 +87,13 @@ def main() -> None:
     dense = DenseBlock(d, h).to(dev, dtype)
     dense_fn = lambda: fwd_bwd_step(dense, x, gy)  # noqa: E731
     groups: dict[float, dict] = {}  # capacity -> {name: fn}, each timed with the dense block
-    flop_ratio = {}
+    flop_ratio, flop_ratio_unmasked = {}, {}
     for c in args.capacities:
         cfg = load_config(
             None, [f"model.d_model={d}", f"model.n_heads={h}", f"model.seq_len={T}", f"model.mod.capacity={c}"]
         ).model
         flop_ratio[c] = block_flops("mod", cfg) / block_flops("dense", cfg)
+        flop_ratio_unmasked[c] = block_flops("mod", cfg, masked=False) / block_flops("dense", cfg, masked=False)
         mod = MoDBlock(d, h, capacity=c).to(dev, dtype)
         mod.block.load_state_dict(dense.state_dict())
         groups[c] = {f"mod {c}": lambda mod=mod: fwd_bwd_step(mod, x, gy)}
@@ -100,7 +118,21 @@ def main() -> None:
             dense_at[c] = t.pop("dense")
             times |= t
     dense_s = statistics.median(dense_at.values())
-    rows = [{"block": "dense", "capacity": 1.0, "ms": 1000 * dense_s, "time_ratio": 1.0, "flop_ratio": 1.0}]
+    # Page faults per step: the allocator's share of each time (see common.ALLOCATOR_ENV).
+    faults = {
+        n: minor_faults_per_call(f)
+        for n, f in ({"dense": dense_fn} | {n: f for g in groups.values() for n, f in g.items()}).items()
+    }
+    rows = [
+        {
+            "block": "dense",
+            "capacity": 1.0,
+            "ms": 1000 * dense_s,
+            "time_ratio": 1.0,
+            "flop_ratio": 1.0,
+            "faults": faults["dense"],
+        }
+    ]
     for c in args.capacities:
         s, floor, ref = times[f"mod {c}"], times.get(f"floor {c}"), dense_at[c]
         rows.append(
@@ -112,9 +144,13 @@ def main() -> None:
                 "time_ratio": s / ref,
                 "flop_ratio": flop_ratio[c],
                 "time_over_flop": (s / ref) / flop_ratio[c],
+                "flop_ratio_unmasked": flop_ratio_unmasked[c],
+                "time_over_flop_unmasked": (s / ref) / flop_ratio_unmasked[c],
                 "floor_ms": 1000 * floor if floor is not None else None,
                 "floor_over_flop": (floor / ref) / flop_ratio[c] if floor is not None else None,
                 "routing_share": (s - floor) / ref if floor is not None else None,
+                "faults": faults[f"mod {c}"],
+                "floor_faults": faults.get(f"floor {c}"),
             }
         )
     threads = torch.get_num_threads()
@@ -129,11 +165,14 @@ def main() -> None:
             ("time_ratio", "time/dense", ".3f"),
             ("flop_ratio", "FLOP/dense", ".3f"),
             ("time_over_flop", "time/FLOP", ".2f"),
+            ("time_over_flop_unmasked", "time/FLOP*", ".2f"),
             ("floor_ms", "floor ms", ".1f"),
             ("floor_over_flop", "floor/FLOP", ".2f"),
             ("routing_share", "routing/dense", ".4f"),
+            ("faults", "faults/step", ".0f"),
         ],
     )
+    print("* FLOPs with causal attention's masked half left out (flops.py masked=False); targets use the full count")
     at_0125 = next((r for r in rows if r["block"] == "mod" and r["capacity"] == 0.125), None)
     targets = {
         "mod_0125_time_ratio_le_0.11": at_0125 is not None and at_0125["time_ratio"] <= 0.11,

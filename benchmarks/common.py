@@ -67,6 +67,28 @@ def interleaved_median_times(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+# Settings that change how the C allocator returns freed memory to the OS. With glibc's
+# defaults large tensors (e.g. the dense block's [4096, 2048] fp32 MLP hidden, 32 MiB) go back
+# to the OS when freed and the next step pays a page fault per fresh 4 KiB page, which moves
+# CPU timings by several percent (RESULTS.md, "What the block ratios measure"); every result
+# records these settings.
+ALLOCATOR_ENV = ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
+
+
+def minor_faults_per_call(fn: Callable[[], object], calls: int = 3) -> float | None:
+    """Mean minor page faults of the process per call of ``fn`` after one untimed call (None
+    where getrusage is absent): each 4 KiB page the allocator takes fresh from the OS."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
 def environment() -> dict:
     return {
         "torch": torch.__version__,
@@ -76,6 +98,8 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "libc": " ".join(platform.libc_ver()).strip() or None,
+        "allocator_env": {k: os.environ[k] for k in ALLOCATOR_ENV if k in os.environ},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 

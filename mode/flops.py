@@ -1,7 +1,9 @@
 """Analytic forward FLOPs (2 per multiply-add, matmuls only, as ``FlopCounterMode`` counts).
 
 Counts per sequence of T tokens. Attention scores cost 2*n^2*D (QK^T) + 2*n^2*D (AV) over the
-n tokens a block actually attends (n = k for a MoD block: k^2, not T^2). MoE layers count
+n tokens a block actually attends (n = k for a MoD block: k^2, not T^2), the full score matrix
+as ``FlopCounterMode`` counts it; ``masked=False`` counts only the n(n+1)/2 query-key pairs that
+causal attention keeps, which is closer to what a flash kernel computes. MoE layers count
 only computed assignments (dropless) or their padded buffers (capacity MoE). A training
 step costs about 3x the forward (backward = 2x forward).
 """
@@ -13,9 +15,11 @@ from mode.routing.expert_choice import capacity_to_k
 from mode.routing.token_choice import expert_capacity
 
 
-def attention_flops(n: int, d: int) -> int:
-    """QKV + output projections (8 n D^2) and scores/values over n tokens (4 n^2 D)."""
-    return 8 * n * d * d + 4 * n * n * d
+def attention_flops(n: int, d: int, masked: bool = True) -> int:
+    """QKV + output projections (8 n D^2) and scores/values over n tokens: 4 n^2 D with the
+    causal mask's masked half counted (``masked=True``, as ``FlopCounterMode``), else 2 n (n+1) D."""
+    scores = 4 * n * n * d if masked else 2 * n * (n + 1) * d
+    return 8 * n * d * d + scores
 
 
 def mlp_flops(n: int, d: int, d_ff: int, kind: str = "gelu") -> int:
@@ -39,27 +43,27 @@ def moe_flops(n: int, cfg: ModelConfig, kind: str = "moe", real_share: float = 1
     return router + mlp_flops(rows, d, f, m.mlp) + shared
 
 
-def block_flops(kind: str, cfg: ModelConfig, seq_len: int | None = None) -> int:
-    """Forward FLOPs of one block of ``kind`` on one sequence."""
+def block_flops(kind: str, cfg: ModelConfig, seq_len: int | None = None, masked: bool = True) -> int:
+    """Forward FLOPs of one block of ``kind`` on one sequence (``masked``: see ``attention_flops``)."""
     T = seq_len or cfg.seq_len
     d = cfg.d_model
     if kind == "dense":
-        return attention_flops(T, d) + mlp_flops(T, d, cfg.mlp_ratio * d)
+        return attention_flops(T, d, masked) + mlp_flops(T, d, cfg.mlp_ratio * d)
     if kind in ("mod", "mode_staged"):
         k = capacity_to_k(cfg.mod.capacity, T)
         router = 2 * T * d
         if cfg.mod.causal == "predictor":  # the routing predictor runs on every token
             router += 2 * T * cfg.mod.predictor_hidden * (d + 1)
         inner = mlp_flops(k, d, cfg.mlp_ratio * d) if kind == "mod" else moe_flops(k, cfg)
-        return router + attention_flops(k, d) + (inner if k else 0)
+        return router + attention_flops(k, d, masked) + (inner if k else 0)
     if kind in ("moe", "moe_capacity"):
-        return attention_flops(T, d) + moe_flops(T, cfg, kind)
+        return attention_flops(T, d, masked) + moe_flops(T, cfg, kind)
     if kind == "mode_integrated":
         m = cfg.moe
         # Expected share of assignments that reach a real expert: the balance loss targets
         # ``noop_share`` of assignments on the no-op experts.
         real_share = 1.0 - (m.noop_share if m.n_noop else 0.0)
-        return attention_flops(T, d) + moe_flops(T, cfg, "moe", real_share, m.n_noop)
+        return attention_flops(T, d, masked) + moe_flops(T, cfg, "moe", real_share, m.n_noop)
     raise ValueError(f"unknown block kind {kind!r}")
 
 

@@ -64,3 +64,16 @@ def test_integrated_flops_match_counter_at_the_realised_noop_share():
     assert 0 < share < 1
     cfg.moe.noop_share = share
     assert measured == pytest.approx(block_flops("mode_integrated", cfg), rel=REL_TOL)
+
+
+@pytest.mark.parametrize("kind,overrides", [("dense", []), ("mod", ["model.mod.capacity=0.25"])])
+def test_unmasked_flops_drop_exactly_the_causal_masked_pairs(kind, overrides):
+    cfg = load_config(None, ["model.d_model=64", "model.n_heads=4", "model.seq_len=128", *overrides]).model
+    block = build_block(kind, cfg)
+    x = torch.randn(1, cfg.seq_len, cfg.d_model)
+    measured = counted_flops(lambda: block(x))  # one sequence, forward, full score matrices
+    n = cfg.seq_len if kind == "dense" else round(cfg.mod.capacity * cfg.seq_len)
+    masked_pairs = int((~torch.ones(n, n, dtype=torch.bool).tril()).sum())  # query-key pairs the mask drops
+    expected = measured - 4 * cfg.d_model * masked_pairs  # 2 FLOPs per MAC, in QK^T and in AV
+    assert block_flops(kind, cfg, masked=False) == pytest.approx(expected, rel=REL_TOL)
+    assert block_flops(kind, cfg, masked=False) < block_flops(kind, cfg)
