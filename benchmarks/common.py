@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# MODE_BENCH_RESULTS redirects every script's output (the tests write to a temporary folder).
+RESULTS_DIR = Path(os.environ.get("MODE_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def fwd_bwd_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:

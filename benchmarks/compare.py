@@ -3,12 +3,18 @@
     python benchmarks/compare.py                  # 10 minutes per preset on this machine
     python benchmarks/compare.py --quick          # 1 minute per preset
     python benchmarks/compare.py --seconds 240 --presets dense mod --label short
+    python benchmarks/compare.py --timing-only    # step times of fresh models, side by side (~2 min)
 
-Per variant: parameters, active parameters, training FLOPs per step, median step time and
-its ratio to dense, steps done, final validation loss (bits per byte) in top-k and in
-causal routing mode. Plots validation loss against wall-clock and against cumulative FLOPs
-(results/compare.png), writes results/compare.json, and checks the claims below on this
-run's numbers (it reports them; it never tunes anything until they agree).
+Per variant: parameters, active parameters, training FLOPs per step, median step time in its
+own run, steps done, final validation loss (bits per byte) in top-k and in causal routing mode.
+After training, the trained models' optimizer steps are also timed side by side, round-robin
+(``--timing-rounds``, median after warm-up): the presets train one after another, and this
+VM's speed drifts by up to ~10% between runs of a few minutes, so step-time ratios (the
+"vs dense" column and the MoD step-time claim) come from that interleaved timing.
+``--timing-only`` skips training and times freshly initialised models (results/compare-timing.json).
+Plots validation loss against wall-clock and against cumulative FLOPs (results/compare.png),
+writes results/compare.json, and checks the claims below on this run's numbers (it reports
+them; it never tunes anything until they agree).
 """
 
 from __future__ import annotations
@@ -21,42 +27,81 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, interleaved_median_times, print_table, write_json  # noqa: E402
 
-from mode.config import load_config  # noqa: E402
+from mode.config import Config, load_config  # noqa: E402
+from mode.data import load_splits  # noqa: E402
 from mode.flops import train_flops_per_step  # noqa: E402
-from mode.train import active_params, train  # noqa: E402
+from mode.model import MoDETransformer  # noqa: E402
+from mode.train import active_params, build_optimizer, train, train_step  # noqa: E402
 
 PRESETS = ["dense", "mod", "moe", "moe_capacity", "mode_staged", "mode_integrated"]
 BPB = 1 / math.log(2)
 
 
-def run(preset: str, seconds: float, extra: list[str]) -> dict:
-    cfg = load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir=runs/compare/{preset}", *extra])
+def preset_config(preset: str, seconds: float, extra: list[str]) -> Config:
+    return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir=runs/compare/{preset}", *extra])
+
+
+def run(preset: str, seconds: float, extra: list[str]) -> tuple[dict, MoDETransformer]:
+    cfg = preset_config(preset, seconds, extra)
     model, result = train(cfg)
+    row = describe(preset, cfg, model)
+    row.update(
+        {
+            "step_ms": 1000 * result.median_step_time,
+            "steps": result.steps,
+            "val_bpb": result.val_loss * BPB,
+            "val_bpb_causal": result.val_loss_causal * BPB if not math.isnan(result.val_loss_causal) else None,
+            "history": result.history,
+        }
+    )
+    return row, model
+
+
+def describe(preset: str, cfg: Config, model: MoDETransformer) -> dict:
     return {
         "variant": preset,
         "params": model.num_params(),
         "active_params": active_params(model),
         "gflop_step": train_flops_per_step(cfg.model, cfg.train.batch_size) / 1e9,
-        "step_ms": 1000 * result.median_step_time,
-        "steps": result.steps,
-        "val_bpb": result.val_loss * BPB,
-        "val_bpb_causal": result.val_loss_causal * BPB if not math.isnan(result.val_loss_causal) else None,
-        "history": result.history,
     }
 
 
+def interleaved_step_ms(models: dict[str, tuple[Config, MoDETransformer]], rounds: int) -> dict[str, float]:
+    """Median ms of one optimizer step of each model, timed round-robin on training batches.
+
+    Each model gets a fresh AdamW (its first steps are warm-up) and keeps training while it is
+    timed, so routing stays as it was at the end of its run.
+    """
+    fns = {}
+    for name, (cfg, model) in models.items():
+        train_split, _, _ = load_splits(cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir)
+        opt = build_optimizer(model, cfg.train)
+        gen = torch.Generator().manual_seed(cfg.train.seed)
+        model.train()
+
+        def step(model=model, opt=opt, split=train_split, gen=gen, cfg=cfg) -> None:
+            x, y = split.batch(cfg.train.batch_size, gen)
+            train_step(model, opt, x, y, cfg.train.grad_clip)
+
+        fns[name] = step
+    times = interleaved_median_times(fns, warmup=2, repeats=rounds, settle_s=0.5)
+    return {name: 1000 * t for name, t in times.items()}
+
+
 def claims(rows: dict[str, dict]) -> dict[str, dict]:
-    """The issue's targets, evaluated on this run's numbers (None where a variant is missing)."""
+    """The issue's targets, evaluated on this run's numbers (left out where a variant or its
+    measurement is missing: step-time claims need the interleaved timing, loss claims training)."""
     out = {}
 
     def add(name, value, ok):
         out[name] = {"value": value, "holds": ok}
 
-    if "dense" in rows and "mod" in rows:
-        r = rows["mod"]["step_ms"] / rows["dense"]["step_ms"]
+    if "dense" in rows and "mod" in rows and rows["mod"].get("step_ratio") is not None:
+        r = rows["mod"]["step_ratio"]
         add("MoD step time <= 0.60x dense", r, r <= 0.60)
+    rows = {name: r for name, r in rows.items() if "val_bpb" in r}
     mods = [v for v in ("mod", "mode_staged") if v in rows]
     if "dense" in rows and mods:
         best = min(mods, key=lambda v: rows[v]["val_bpb"])
@@ -84,7 +129,7 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, r in rows.items():
         h = r["history"]
-        if not h:
+        if not h:  # --timing-only
             continue
         loss = [p["val_loss"] * BPB for p in h]
         ax_t.plot([p["seconds"] for p in h], loss, marker=".", label=name)
@@ -107,21 +152,37 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=600.0, help="training wall-clock per preset")
     p.add_argument("--quick", action="store_true", help="60 seconds per preset")
     p.add_argument("--label", default=None)
+    p.add_argument("--timing-rounds", type=int, default=9, help="interleaved step-time rounds (0: skip)")
+    p.add_argument("--timing-only", action="store_true", help="no training: time fresh models side by side")
     p.add_argument("overrides", nargs="*", help="dotlist overrides for every preset, e.g. train.batch_size=4")
     args = p.parse_args()
+    if args.timing_only and args.timing_rounds < 1:
+        p.error("--timing-only needs --timing-rounds >= 1")
     seconds = 60.0 if args.quick else args.seconds
     extra = ["train.progress=false", *args.overrides]
     if args.quick:
         extra.append("train.eval_every=20")
-    rows = {}
+    rows, models = {}, {}
     for preset in args.presets:
         torch.manual_seed(0)
-        rows[preset] = run(preset, seconds, extra)
-        print(f"{preset}: {rows[preset]['steps']} steps, val {rows[preset]['val_bpb']:.3f} bpb", flush=True)
-    dense_ms = rows.get("dense", {}).get("step_ms")
+        cfg = preset_config(preset, seconds, extra)
+        if args.timing_only:
+            model = MoDETransformer(cfg.model)
+            rows[preset] = describe(preset, cfg, model) | {"history": []}
+        else:
+            rows[preset], model = run(preset, seconds, extra)
+            print(f"{preset}: {rows[preset]['steps']} steps, val {rows[preset]['val_bpb']:.3f} bpb", flush=True)
+        models[preset] = (cfg, model)
+    if args.timing_rounds:
+        for name, ms in interleaved_step_ms(models, args.timing_rounds).items():
+            rows[name]["step_ms_interleaved"] = ms
+    dense_ms = rows.get("dense", {}).get("step_ms_interleaved")
     for r in rows.values():
-        r["step_ratio"] = r["step_ms"] / dense_ms if dense_ms else None
-    print(f"\ntraining budget {seconds:.0f} s per variant, threads={torch.get_num_threads()}")
+        r["step_ratio"] = r["step_ms_interleaved"] / dense_ms if dense_ms else None
+    if args.timing_only:
+        print(f"\nfresh models, threads={torch.get_num_threads()}")
+    else:
+        print(f"\ntraining budget {seconds:.0f} s per variant, threads={torch.get_num_threads()}")
     print_table(
         list(rows.values()),
         [
@@ -129,7 +190,8 @@ def main() -> None:
             ("params", "params", ","),
             ("active_params", "active", ","),
             ("gflop_step", "GFLOP/step", ".1f"),
-            ("step_ms", "step ms", ".0f"),
+            ("step_ms", "step ms (own run)", ".0f"),
+            ("step_ms_interleaved", "step ms (side by side)", ".0f"),
             ("step_ratio", "vs dense", ".2f"),
             ("steps", "steps", "d"),
             ("val_bpb", "val bpb", ".3f"),
@@ -139,12 +201,15 @@ def main() -> None:
     checked = claims(rows)
     for name, c in checked.items():
         print(f"claim: {name}: {c['value']:+.3f} -> {'holds' if c['holds'] else 'does NOT hold'}")
+    payload = {"seconds": 0 if args.timing_only else seconds, "overrides": args.overrides, "rows": rows}
+    if args.timing_only:
+        path = write_json("compare-timing", payload | {"claims": checked}, args.label)
+        print(f"wrote {path}")
+        return
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     png = RESULTS_DIR / (f"compare-{args.label}.png" if args.label else "compare.png")
     plot(rows, png)
-    path = write_json(
-        "compare", {"seconds": seconds, "overrides": args.overrides, "rows": rows, "claims": checked}, args.label
-    )
+    path = write_json("compare", payload | {"claims": checked}, args.label)
     print(f"wrote {path} and {png}")
 
 

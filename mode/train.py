@@ -138,6 +138,36 @@ def after_optimizer_step(model: torch.nn.Module) -> None:
             hook()
 
 
+def train_step(
+    model: MoDETransformer,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad_clip: float = 0.0,
+    ctx: ParallelContext | None = None,
+    forward: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One optimizer step on a batch: x, y [B, T] token ids -> (loss, aux loss, grad norm or None).
+
+    Forward (through ``forward``, e.g. a DDP wrapper of ``model``; default ``model``), LM loss
+    plus the routed modules' auxiliary losses, backward, expert-gradient reduction and load
+    sync under expert parallelism (``ctx``), clipping when ``grad_clip`` > 0, the optimizer
+    step, and the modules' post-step hooks (``after_optimizer_step``).
+    """
+    _, loss = (forward or model)(x, y)
+    aux = aux_loss(model)
+    (loss + aux).backward()
+    if ctx is not None:
+        reduce_expert_grads(model, ctx)
+    grad_norm = clip_grad_norm(model, grad_clip, ctx) if grad_clip else None
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if ctx is not None:
+        sync_load_statistics(model, ctx)
+    after_optimizer_step(model)
+    return loss, aux, grad_norm
+
+
 @dataclass
 class TrainResult:
     steps: int
@@ -239,17 +269,9 @@ def train(
             group["lr"] = lr
         x, y = train_split.batch(tc.batch_size, gen)  # the global batch; this rank takes its rows
         t0 = time.perf_counter()
-        _, loss = forward(x[rows].to(device), y[rows].to(device))
-        aux = aux_loss(model)
-        (loss + aux).backward()
-        if ctx is not None:
-            reduce_expert_grads(model, ctx)
-        grad_norm = clip_grad_norm(model, tc.grad_clip, ctx) if tc.grad_clip else None
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if ctx is not None:
-            sync_load_statistics(model, ctx)
-        after_optimizer_step(model)
+        loss, aux, grad_norm = train_step(
+            model, opt, x[rows].to(device), y[rows].to(device), tc.grad_clip, ctx, forward
+        )
         result.step_times.append(time.perf_counter() - t0)
         result.train_loss = _mean_over_ranks(loss.item(), ctx)
         elapsed += time.perf_counter() - t_batch
