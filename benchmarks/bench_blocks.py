@@ -37,9 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    add_compare_option,
     fwd_bwd_step,
     interleaved_median_times,
+    load_run,
     minor_faults_per_call,
+    print_comparison,
     print_table,
     write_json,
 )
@@ -78,7 +81,9 @@ def main() -> None:
         action="store_true",
         help="time every candidate in one round-robin instead of one per capacity (dense, MoD, floor)",
     )
+    add_compare_option(p)
     args = p.parse_args()
+    before = load_run("blocks", args.compare) if args.compare else None
     torch.manual_seed(0)
     d, h, T, B = args.d_model, args.n_heads, args.seq, args.batch
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -181,6 +186,10 @@ def main() -> None:
     print("targets:", targets)
     path = write_json("blocks", {"args": vars(args), "rows": rows, "targets": targets}, args.label)
     print(f"wrote {path}")
+    if before is not None:
+        print_comparison(
+            rows, before, ["block", "capacity"], [("ms", ".1f"), ("time_ratio", ".3f"), ("time_over_flop", ".2f")]
+        )
 
 
 if __name__ == "__main__":

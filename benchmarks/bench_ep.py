@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import add_compare_option, load_run, print_comparison, print_table, write_json  # noqa: E402
 
 from mode.config import load_config  # noqa: E402
 from mode.model import MoDETransformer  # noqa: E402
@@ -84,7 +84,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--label", default=None)
+    add_compare_option(p)
     args = p.parse_args()
+    before = load_run("ep", args.compare) if args.compare else None
     rows = []
     for world in args.ranks:
         for preset in ("moe", "mode_staged"):
@@ -131,6 +133,8 @@ def main() -> None:
         print(f"target {k}: {t['ratio']:.3f} -> {'met' if t['met'] else 'MISSED'}")
     path = write_json("ep", {"args": vars(args), "model": MODEL, "rows": rows, "targets": targets}, args.label)
     print(f"wrote {path}")
+    if before is not None:
+        print_comparison(rows, before, ["ranks", "variant"], [("counted_mb", ".3f"), ("step_ms", ".0f")])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fwd_bwd_step, interleaved_median_times, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_compare_option,
+    fwd_bwd_step,
+    interleaved_median_times,
+    load_run,
+    print_comparison,
+    print_table,
+    write_json,
+)
 
 from mode.experts.grouped_gemm import BACKENDS, resolve_name, unavailable_reason  # noqa: E402
 from mode.experts.moe import CapacityMoE, DroplessMoE  # noqa: E402
@@ -86,7 +94,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--label", default=None)
+    add_compare_option(p)
     args = p.parse_args()
+    before = load_run("moe", args.compare) if args.compare else None
     torch.manual_seed(0)
     rows, targets, overheads = [], {}, {}
     for dtype_name in args.dtypes:
@@ -150,6 +160,8 @@ def main() -> None:
         )
     payload = {"args": vars(args), "rows": rows, "targets": targets, "overheads": overheads}
     path = write_json("moe", payload, args.label)
+    if before is not None:
+        print_comparison(rows, before, ["dtype", "case", "layer"], [("ms", ".1f"), ("vs_dense", ".3f")])
     print(f"wrote {path}")
 
 

@@ -22,7 +22,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fwd_bwd_step, interleaved_median_times, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_compare_option,
+    fwd_bwd_step,
+    interleaved_median_times,
+    load_run,
+    print_comparison,
+    print_table,
+    write_json,
+)
 
 from mode.experts.grouped_gemm import CHUNKED_MIN_BYTES, resolve_name  # noqa: E402
 from mode.experts.moe import DroplessMoE  # noqa: E402
@@ -40,7 +48,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="three sizes instead of twelve")
     p.add_argument("--label", default=None)
+    add_compare_option(p)
     args = p.parse_args()
+    before = load_run("moe_auto", args.compare) if args.compare else None
     torch.manual_seed(0)
     E, K = args.experts, args.top_k
     rows = []
@@ -100,6 +110,13 @@ def main() -> None:
         args.label,
     )
     print(f"wrote {path}")
+    if before is not None:
+        print_comparison(
+            rows,
+            before,
+            ["dtype", "d_model", "tokens"],
+            [("chunked_ms", ".2f"), ("torch_ms", ".2f"), ("chunked_over_torch", ".3f")],
+        )
 
 
 if __name__ == "__main__":

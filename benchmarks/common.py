@@ -113,6 +113,55 @@ def write_json(name: str, payload: dict, label: str | None = None) -> Path:
     return path
 
 
+def add_compare_option(parser) -> None:
+    parser.add_argument(
+        "--compare",
+        metavar="RUN",
+        default=None,
+        help="diff this run against an earlier one: a JSON path, or the --label it was saved under",
+    )
+
+
+def load_run(name: str, ref: str) -> dict:
+    """An earlier result of benchmark ``name``: ``ref`` is a JSON path or a ``--label``."""
+    path = Path(ref) if ref.endswith(".json") else RESULTS_DIR / f"{name}-{ref}.json"
+    if not path.is_file():
+        raise SystemExit(f"--compare {ref}: no earlier run at {path}")
+    return json.loads(path.read_text())
+
+
+def print_comparison(
+    rows: list[dict] | dict[str, dict], before: dict, keys: list[str], fields: list[tuple[str, str]]
+) -> None:
+    """Each numeric ``fields`` entry (key, format) now, in the earlier run ``before`` (a loaded
+    result JSON), and now / before, for the rows that match on ``keys``."""
+
+    def as_list(r: list[dict] | dict[str, dict]) -> list[dict]:
+        return list(r.values()) if isinstance(r, dict) else r
+
+    old = {tuple(r.get(k) for k in keys): r for r in as_list(before.get("rows", []))}
+    table, columns = [], [(k, k, "") for k in keys]
+    for field, fmt in fields:
+        columns += [(field, field, fmt), (f"{field}:before", "before", fmt), (f"{field}:ratio", "ratio", ".3f")]
+    for r in as_list(rows):
+        o = old.get(tuple(r.get(k) for k in keys))
+        if o is None:
+            continue
+        entry = {k: r.get(k) for k in keys}
+        for field, _ in fields:
+            now, was = r.get(field), o.get(field)
+            entry[field], entry[f"{field}:before"] = now, was
+            numeric = isinstance(now, int | float) and isinstance(was, int | float)
+            entry[f"{field}:ratio"] = now / was if numeric and was else None
+        table.append(entry)
+    when = before.get("environment", {}).get("time", "?")
+    if not table:
+        print(f"compared with the run of {when}: no rows in common")
+        return
+    print(f"compared with the run of {when} (ratio = now / before):")
+    print_table(table, columns)
+
+
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     """columns: (key, header, format spec)."""
     widths = [max([len(h), 10] + [len(format(r[k], f)) for r in rows if r.get(k) is not None]) for k, h, f in columns]

@@ -27,7 +27,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, interleaved_median_times, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    add_compare_option,
+    interleaved_median_times,
+    load_run,
+    print_comparison,
+    print_table,
+    write_json,
+)
 
 from mode.config import Config, load_config  # noqa: E402
 from mode.data import load_splits  # noqa: E402
@@ -155,9 +163,12 @@ def main() -> None:
     p.add_argument("--timing-rounds", type=int, default=9, help="interleaved step-time rounds (0: skip)")
     p.add_argument("--timing-only", action="store_true", help="no training: time fresh models side by side")
     p.add_argument("overrides", nargs="*", help="dotlist overrides for every preset, e.g. train.batch_size=4")
+    add_compare_option(p)
     args = p.parse_args()
     if args.timing_only and args.timing_rounds < 1:
         p.error("--timing-only needs --timing-rounds >= 1")
+    result_name = "compare-timing" if args.timing_only else "compare"
+    before = load_run(result_name, args.compare) if args.compare else None
     seconds = 60.0 if args.quick else args.seconds
     extra = ["train.progress=false", *args.overrides]
     if args.quick:
@@ -202,15 +213,15 @@ def main() -> None:
     for name, c in checked.items():
         print(f"claim: {name}: {c['value']:+.3f} -> {'holds' if c['holds'] else 'does NOT hold'}")
     payload = {"seconds": 0 if args.timing_only else seconds, "overrides": args.overrides, "rows": rows}
-    if args.timing_only:
-        path = write_json("compare-timing", payload | {"claims": checked}, args.label)
-        print(f"wrote {path}")
-        return
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    png = RESULTS_DIR / (f"compare-{args.label}.png" if args.label else "compare.png")
-    plot(rows, png)
-    path = write_json("compare", payload | {"claims": checked}, args.label)
-    print(f"wrote {path} and {png}")
+    path = write_json(result_name, payload | {"claims": checked}, args.label)
+    print(f"wrote {path}")
+    if not args.timing_only:
+        png = RESULTS_DIR / (f"compare-{args.label}.png" if args.label else "compare.png")
+        plot(rows, png)
+        print(f"wrote {png}")
+    if before is not None:
+        fields = [("step_ms_interleaved", ".0f"), ("step_ratio", ".3f")]
+        print_comparison(rows, before, ["variant"], fields if args.timing_only else [*fields, ("val_bpb", ".3f")])
 
 
 if __name__ == "__main__":

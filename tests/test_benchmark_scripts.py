@@ -11,18 +11,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(name: str, args: list[str], out: Path) -> dict:
+def run_script(name: str, args: list[str], out: Path, stdout: list[str] | None = None) -> dict:
+    """Run benchmarks/<name> writing into ``out``; returns {file name: JSON} of what is there."""
     env = os.environ | {"MODE_BENCH_RESULTS": str(out)}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if stdout is not None:
+        stdout.append(proc.stdout)
     return {p.name: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
+TINY_BLOCKS = ["--d-model", "32", "--n-heads", "2", "--seq", "64", "--batch", "2", "--repeats", "1", "--warmup", "0"]
+
+
 def test_bench_blocks_tiny(tmp_path):
-    args = ["--d-model", "32", "--n-heads", "2", "--seq", "64", "--batch", "2", "--repeats", "1", "--warmup", "0"]
-    results = run_script("bench_blocks.py", [*args, "--capacities", "0.5", "0.125"], tmp_path)
+    results = run_script("bench_blocks.py", [*TINY_BLOCKS, "--capacities", "0.5", "0.125"], tmp_path)
     payload = results["blocks.json"]
     rows = {r["capacity"]: r for r in payload["rows"] if r["block"] == "mod"}
     assert set(rows) == {0.5, 0.125}
@@ -31,6 +36,28 @@ def test_bench_blocks_tiny(tmp_path):
         assert r["flop_ratio_unmasked"] > r["flop_ratio"]
         assert r["faults"] is None or r["faults"] >= 0
     assert "allocator_env" in payload["environment"]
+
+
+def test_compare_option_diffs_matching_rows_and_rejects_a_missing_run(tmp_path):
+    run_script("bench_blocks.py", [*TINY_BLOCKS, "--capacities", "0.5", "--label", "a"], tmp_path)
+    out: list[str] = []
+    args = [*TINY_BLOCKS, "--capacities", "0.5", "0.25", "--label", "b", "--compare", "a"]
+    results = run_script("bench_blocks.py", args, tmp_path, out)
+    assert {"blocks-a.json", "blocks-b.json"} <= set(results)
+    table = out[0].split("compared with the run of", 1)[1].splitlines()[2:]
+    assert [line.split()[:2] for line in table] == [["dense", "1.0"], ["mod", "0.5"]]  # 0.25 is new: no row
+    now = results["blocks-b.json"]["rows"][1]["ms"]
+    before = results["blocks-a.json"]["rows"][1]["ms"]
+    assert float(table[1].split()[4]) == pytest.approx(now / before, abs=1e-3)
+    env = os.environ | {"MODE_BENCH_RESULTS": str(tmp_path)}
+    missing = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_blocks.py"), "--compare", "nope"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode != 0 and "no earlier run" in missing.stderr
 
 
 @pytest.mark.parametrize("presets", [["dense", "mod", "mode_integrated"]])
@@ -43,3 +70,18 @@ def test_compare_timing_only_tiny(tmp_path, presets):
     assert rows["dense"]["step_ratio"] == pytest.approx(1.0)
     assert all(r["step_ms_interleaved"] > 0 for r in rows.values())
     assert "MoD step time <= 0.60x dense" in payload["claims"]
+
+
+def test_compare_trains_then_times_side_by_side(tmp_path):
+    overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
+    args = [*overrides, "train.eval_every=5", "train.eval_batches=1", "--seconds", "2", "--timing-rounds", "1"]
+    payload = run_script("compare.py", [*args, "--presets", "dense", "mod"], tmp_path)["compare.json"]
+    rows = payload["rows"]
+    assert all(r["steps"] > 0 and r["history"] and r["step_ms_interleaved"] > 0 for r in rows.values())
+    assert rows["mod"]["step_ratio"] == pytest.approx(
+        rows["mod"]["step_ms_interleaved"] / rows["dense"]["step_ms_interleaved"]
+    )
+    assert {"MoD step time <= 0.60x dense", "best MoD variant (mod) val loss <= dense at equal wall-clock"} <= set(
+        payload["claims"]
+    )
+    assert (tmp_path / "compare.png").is_file()
