@@ -47,12 +47,12 @@ PRESETS = ["dense", "mod", "moe", "moe_capacity", "mode_staged", "mode_integrate
 BPB = 1 / math.log(2)
 
 
-def preset_config(preset: str, seconds: float, extra: list[str]) -> Config:
-    return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir=runs/compare/{preset}", *extra])
+def preset_config(preset: str, seconds: float, extra: list[str], runs_dir: str = "runs/compare") -> Config:
+    return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir={runs_dir}/{preset}", *extra])
 
 
-def run(preset: str, seconds: float, extra: list[str]) -> tuple[dict, MoDETransformer]:
-    cfg = preset_config(preset, seconds, extra)
+def run(preset: str, seconds: float, extra: list[str], runs_dir: str) -> tuple[dict, MoDETransformer]:
+    cfg = preset_config(preset, seconds, extra, runs_dir)
     model, result = train(cfg)
     row = describe(preset, cfg, model)
     row.update(
@@ -160,6 +160,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=600.0, help="training wall-clock per preset")
     p.add_argument("--quick", action="store_true", help="60 seconds per preset")
     p.add_argument("--label", default=None)
+    p.add_argument("--runs-dir", default="runs/compare", help="checkpoints and metrics: <runs-dir>/<preset>/")
     p.add_argument("--timing-rounds", type=int, default=9, help="interleaved step-time rounds (0: skip)")
     p.add_argument("--timing-only", action="store_true", help="no training: time fresh models side by side")
     p.add_argument("overrides", nargs="*", help="dotlist overrides for every preset, e.g. train.batch_size=4")
@@ -176,12 +177,12 @@ def main() -> None:
     rows, models = {}, {}
     for preset in args.presets:
         torch.manual_seed(0)
-        cfg = preset_config(preset, seconds, extra)
+        cfg = preset_config(preset, seconds, extra, args.runs_dir)
         if args.timing_only:
             model = MoDETransformer(cfg.model)
             rows[preset] = describe(preset, cfg, model) | {"history": []}
         else:
-            rows[preset], model = run(preset, seconds, extra)
+            rows[preset], model = run(preset, seconds, extra, args.runs_dir)
             print(f"{preset}: {rows[preset]['steps']} steps, val {rows[preset]['val_bpb']:.3f} bpb", flush=True)
         models[preset] = (cfg, model)
     if args.timing_rounds:

@@ -75,6 +75,7 @@ def test_compare_timing_only_tiny(tmp_path, presets):
 def test_compare_trains_then_times_side_by_side(tmp_path):
     overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
     args = [*overrides, "train.eval_every=5", "train.eval_batches=1", "--seconds", "2", "--timing-rounds", "1"]
+    args += ["--runs-dir", str(tmp_path / "runs")]
     payload = run_script("compare.py", [*args, "--presets", "dense", "mod"], tmp_path)["compare.json"]
     rows = payload["rows"]
     assert all(r["steps"] > 0 and r["history"] and r["step_ms_interleaved"] > 0 for r in rows.values())
@@ -85,3 +86,4 @@ def test_compare_trains_then_times_side_by_side(tmp_path):
         payload["claims"]
     )
     assert (tmp_path / "compare.png").is_file()
+    assert (tmp_path / "runs" / "mod" / "metrics.jsonl").is_file()
