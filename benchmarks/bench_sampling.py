@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, add_compare_option, load_run, print_comparison, print_table, write_json  # noqa: E402
 
 from mode.config import load_config  # noqa: E402
 from mode.data import load_splits  # noqa: E402
@@ -175,7 +175,9 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--label", default=None)
     p.add_argument("overrides", nargs="*", help="dotlist overrides for the trained models")
+    add_compare_option(p)
     args = p.parse_args()
+    before = load_run("sampling", args.compare) if args.compare else None
     torch.manual_seed(0)
     models = {m: trained_mod(m, args.seconds, args.checkpoint, args.overrides) for m in ("predictor", "router_bce")}
     cfg = models["predictor"].cfg
@@ -278,6 +280,10 @@ def main() -> None:
         args.label,
     )
     print(f"wrote {path} and {png}")
+    if before is not None:  # compare the headline numbers (the targets' values)
+        now = [{"target": k, "value": v} for k, (v, _) in targets.items()]
+        was = [{"target": k, "value": t["value"]} for k, t in before.get("targets", {}).items()]
+        print_comparison(now, before | {"rows": was}, ["target"], [("value", ".4f")])
 
 
 if __name__ == "__main__":

@@ -87,3 +87,14 @@ def test_compare_trains_then_times_side_by_side(tmp_path):
     )
     assert (tmp_path / "compare.png").is_file()
     assert (tmp_path / "runs" / "mod" / "metrics.jsonl").is_file()
+
+
+def test_bench_sampling_tiny_compares_target_values(tmp_path):
+    overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
+    args = ["--seconds", "2", "--new-tokens", "8", "--repeats", "1", "--eval-batches", "1"]
+    args += ["--compare", str(ROOT / "benchmarks" / "results" / "sampling.json")]
+    out: list[str] = []
+    overrides.append(f"train.out_dir={tmp_path / 'run'}")
+    payload = run_script("bench_sampling.py", [*overrides, *args], tmp_path, out)["sampling.json"]
+    table = out[0].split("compared with the run of", 1)[1]
+    assert all(name in table for name in payload["targets"])
