@@ -83,7 +83,7 @@ def main() -> None:
     )
     add_compare_option(p)
     args = p.parse_args()
-    before = load_run("blocks", args.compare) if args.compare else None
+    before = load_run("blocks", args.compare)
     torch.manual_seed(0)
     d, h, T, B = args.d_model, args.n_heads, args.seq, args.batch
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -113,8 +113,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
     dense_at: dict[float, float] = {}  # the dense time each capacity's ratio divides by
     times: dict[str, float] = {}
+    all_fns = {"dense": dense_fn} | {n: f for g in groups.values() for n, f in g.items()}
     if args.one_rotation:
-        all_fns = {"dense": dense_fn} | {n: f for g in groups.values() for n, f in g.items()}
         times = interleaved_median_times(all_fns, args.warmup, args.repeats, sync=sync)
         dense_at = dict.fromkeys(args.capacities, times["dense"])
     else:
@@ -124,10 +124,7 @@ def main() -> None:
             times |= t
     dense_s = statistics.median(dense_at.values())
     # Page faults per step: the allocator's share of each time (see common.ALLOCATOR_ENV).
-    faults = {
-        n: minor_faults_per_call(f)
-        for n, f in ({"dense": dense_fn} | {n: f for g in groups.values() for n, f in g.items()}).items()
-    }
+    faults = {n: minor_faults_per_call(f) for n, f in all_fns.items()}
     rows = [
         {
             "block": "dense",

@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--label", default=None)
     add_compare_option(p)
     args = p.parse_args()
-    before = load_run("ep", args.compare) if args.compare else None
+    before = load_run("ep", args.compare)
     rows = []
     for world in args.ranks:
         for preset in ("moe", "mode_staged"):

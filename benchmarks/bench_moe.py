@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--label", default=None)
     add_compare_option(p)
     args = p.parse_args()
-    before = load_run("moe", args.compare) if args.compare else None
+    before = load_run("moe", args.compare)
     torch.manual_seed(0)
     rows, targets, overheads = [], {}, {}
     for dtype_name in args.dtypes:
@@ -160,9 +160,9 @@ def main() -> None:
         )
     payload = {"args": vars(args), "rows": rows, "targets": targets, "overheads": overheads}
     path = write_json("moe", payload, args.label)
+    print(f"wrote {path}")
     if before is not None:
         print_comparison(rows, before, ["dtype", "case", "layer"], [("ms", ".1f"), ("vs_dense", ".3f")])
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--label", default=None)
     add_compare_option(p)
     args = p.parse_args()
-    before = load_run("moe_auto", args.compare) if args.compare else None
+    before = load_run("moe_auto", args.compare)
     torch.manual_seed(0)
     E, K = args.experts, args.top_k
     rows = []

@@ -177,7 +177,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="dotlist overrides for the trained models")
     add_compare_option(p)
     args = p.parse_args()
-    before = load_run("sampling", args.compare) if args.compare else None
+    before = load_run("sampling", args.compare)
     torch.manual_seed(0)
     models = {m: trained_mod(m, args.seconds, args.checkpoint, args.overrides) for m in ("predictor", "router_bce")}
     cfg = models["predictor"].cfg

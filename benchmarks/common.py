@@ -122,8 +122,11 @@ def add_compare_option(parser) -> None:
     )
 
 
-def load_run(name: str, ref: str) -> dict:
-    """An earlier result of benchmark ``name``: ``ref`` is a JSON path or a ``--label``."""
+def load_run(name: str, ref: str | None) -> dict | None:
+    """An earlier result of benchmark ``name``: ``ref`` is a JSON path or a ``--label`` (the
+    ``--compare`` value; None when it was not given)."""
+    if ref is None:
+        return None
     path = Path(ref) if ref.endswith(".json") else RESULTS_DIR / f"{name}-{ref}.json"
     if not path.is_file():
         raise SystemExit(f"--compare {ref}: no earlier run at {path}")

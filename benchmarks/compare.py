@@ -51,8 +51,7 @@ def preset_config(preset: str, seconds: float, extra: list[str], runs_dir: str =
     return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir={runs_dir}/{preset}", *extra])
 
 
-def run(preset: str, seconds: float, extra: list[str], runs_dir: str) -> tuple[dict, MoDETransformer]:
-    cfg = preset_config(preset, seconds, extra, runs_dir)
+def run(preset: str, cfg: Config) -> tuple[dict, MoDETransformer]:
     model, result = train(cfg)
     row = describe(preset, cfg, model)
     row.update(
@@ -169,7 +168,7 @@ def main() -> None:
     if args.timing_only and args.timing_rounds < 1:
         p.error("--timing-only needs --timing-rounds >= 1")
     result_name = "compare-timing" if args.timing_only else "compare"
-    before = load_run(result_name, args.compare) if args.compare else None
+    before = load_run(result_name, args.compare)
     seconds = 60.0 if args.quick else args.seconds
     extra = ["train.progress=false", *args.overrides]
     if args.quick:
@@ -182,7 +181,7 @@ def main() -> None:
             model = MoDETransformer(cfg.model)
             rows[preset] = describe(preset, cfg, model) | {"history": []}
         else:
-            rows[preset], model = run(preset, seconds, extra, args.runs_dir)
+            rows[preset], model = run(preset, cfg)
             print(f"{preset}: {rows[preset]['steps']} steps, val {rows[preset]['val_bpb']:.3f} bpb", flush=True)
         models[preset] = (cfg, model)
     if args.timing_rounds:
