@@ -33,14 +33,14 @@ from mode.data import load_splits  # noqa: E402
 from mode.layers.blocks import MoDBlock  # noqa: E402
 from mode.model import MoDETransformer  # noqa: E402
 from mode.routing.expert_choice import expert_choice_topk  # noqa: E402
-from mode.train import evaluate, load_checkpoint, train  # noqa: E402
+from mode.train import checkpoint_config, evaluate, load_checkpoint, train  # noqa: E402
 
 
 def trained_mod(method: str, seconds: float, checkpoint: str | None, overrides: list[str]) -> MoDETransformer:
     if checkpoint and method == "predictor":
-        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        cfg = load_config(None, [f"{k}={v}" for k, v in _flatten(state["config"]["model"], "model")])
-        model = MoDETransformer(cfg.model)
+        model = MoDETransformer(checkpoint_config(Path(checkpoint)).model)
+        if not any(isinstance(b, MoDBlock) and b.predictor is not None for b in model.blocks):
+            raise SystemExit(f"--checkpoint {checkpoint}: no MoD block with causal='predictor' in this model")
         load_checkpoint(Path(checkpoint), model)
         return model.eval()
     cfg = load_config(
@@ -55,16 +55,6 @@ def trained_mod(method: str, seconds: float, checkpoint: str | None, overrides: 
     )
     model, _ = train(cfg)
     return model.eval()
-
-
-def _flatten(d: dict, prefix: str) -> list[tuple[str, object]]:
-    out = []
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out += _flatten(v, f"{prefix}.{k}")
-        else:
-            out.append((f"{prefix}.{k}", v))
-    return out
 
 
 def decision_table(model: MoDETransformer, val, batch: int, n_batches: int, method: str) -> tuple[list, dict]:
@@ -169,7 +159,11 @@ def plot(comp: dict[str, dict], train_len: int, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=180.0, help="training budget per causal method")
-    p.add_argument("--checkpoint", default=None, help="a compare.py mod checkpoint (predictor) to reuse")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a trained MoD model with model.mod.causal=predictor to reuse (ckpt.pt, or an expert-parallel ckpt/ dir)",
+    )
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eval-batches", type=int, default=8)

@@ -62,7 +62,8 @@ class RoutingConfig:
     gate: g(r) in ``x + g(r) * f(x)``; "sigmoid" (default), "identity" (the paper), "none" (g = 1:
         no router gradient; for ablations and equivalence tests).
     causal: how a token decides alone at sampling time: "router_bce" trains the router logit
-        toward top-k membership, "predictor" trains a small MLP on ``x.detach()``.
+        toward top-k membership, "predictor" thresholds the detached router score at a running
+        mean of the k-th largest score, corrected by a small MLP on ``x.detach()`` trained by BCE.
     """
 
     capacity: float = 0.125
@@ -281,14 +282,23 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | None = 
     """Build a validated ``Config`` from defaults, a preset (name in ``configs/`` or a YAML
     path; a preset may start from another with ``base: <name>``) and CLI dotlist overrides
     such as ``["model.n_layers=8"]``."""
-    schema = OmegaConf.structured(Config)
-    layers = [schema]
+    layers = []
     if preset is not None:
         layers.extend(_preset_layers(preset))
     if overrides:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
+    return _build(layers)
+
+
+def from_dict(values: dict) -> Config:
+    """A validated ``Config`` from nested values, e.g. ``to_dict`` of one saved in a checkpoint."""
+    return _build([OmegaConf.create(values)])
+
+
+def _build(layers: list) -> Config:
+    """Merge config layers over the defaults and validate; errors name the field."""
     try:
-        merged = OmegaConf.merge(*layers)
+        merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as err:
         cause = err.__cause__ or err.__context__

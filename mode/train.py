@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mode.aux import aux_loss, routing_metrics
-from mode.config import Config, ModelConfig, TrainConfig, load_config, preset_names, to_dict
+from mode.config import Config, ModelConfig, TrainConfig, from_dict, load_config, preset_names, to_dict
 from mode.data import TokenSplit, load_splits
 from mode.flops import train_flops_per_step
 from mode.layers.blocks import MoDBlock
@@ -119,7 +119,25 @@ def load_checkpoint(
     opt: torch.optim.Optimizer | None = None,
     data_rng: torch.Generator | None = None,
 ) -> int:
-    """Restore model (and optimizer, RNG) state; returns the step to continue from."""
+    """Restore model (and optimizer, RNG) state; returns the step to continue from.
+
+    ``path`` is a single-process ``ckpt.pt`` or an expert-parallel ``ckpt/`` directory (DCP):
+    the latter loads into this single process whatever ``ep_size`` wrote it, model weights
+    only, since its optimizer state is per rank (resume it with torchrun on its own layout).
+    """
+    path = Path(path)
+    if path.is_dir():
+        if opt is not None:
+            raise ValueError(
+                f"{path} is an expert-parallel checkpoint: its optimizer state is per rank, so it "
+                "resumes only under torchrun with the same parallel.dp_size and parallel.ep_size; "
+                "load it without an optimizer to use the model"
+            )
+        extra = sharded.load(path, model, ctx=None)
+        torch.set_rng_state(extra["rng"])
+        if data_rng is not None:
+            data_rng.set_state(extra["data_rng"])
+        return int(extra["step"])
     state = torch.load(path, map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     if opt is not None:
@@ -128,6 +146,13 @@ def load_checkpoint(
     if data_rng is not None and state.get("data_rng") is not None:
         data_rng.set_state(state["data_rng"])
     return int(state["step"])
+
+
+def checkpoint_config(path: Path) -> Config:
+    """The config a checkpoint was trained with (a ``ckpt.pt`` file or a ``ckpt/`` directory)."""
+    path = Path(path)
+    state = torch.load(path / "extra.pt" if path.is_dir() else path, map_location="cpu", weights_only=False)
+    return from_dict(state["config"])
 
 
 def after_optimizer_step(model: torch.nn.Module) -> None:

@@ -8,6 +8,7 @@ import torch
 import mode
 from mode.config import load_config
 from mode.layers.blocks import MoDBlock
+from mode.layers.predictor import RoutingPredictor
 from mode.model import MoDETransformer
 from mode.routing.causal import decision_metrics, membership_bce
 
@@ -50,7 +51,7 @@ def make_model(layout: str, causal: str, seed: int = 0) -> MoDETransformer:
         for block, x in inputs.items():
             torch.nn.init.normal_(block.router.weight, std=0.3)
             if block.predictor is not None:
-                block.predictor.out.bias -= block.predictor(x).median()
+                block.predictor.out.bias -= block.predictor(x, block.router_logits(x)).median()
     for h in hooks:
         h.remove()
     return model
@@ -195,3 +196,43 @@ def test_generate_uses_the_cache_when_it_can():
     assert out.shape == (2, 14)
     no_cache = make_model("mod", "none").generate(torch.randint(0, 256, (1, 4)), 3)
     assert no_cache.shape == (1, 7)
+
+
+def test_predictor_threshold_tracks_the_kth_score():
+    torch.manual_seed(0)
+    block = MoDBlock(32, 4, capacity=0.25, causal="predictor").train()
+    pred = block.predictor
+    assert not pred.calibrated
+
+    def kth_mean(x: torch.Tensor) -> torch.Tensor:  # slow reference: sort every row
+        scores = block.router_logits(x)
+        return scores.sort(dim=-1, descending=True).values[:, 16 // 4 - 1].mean()
+
+    x1, x2 = torch.randn(3, 16, 32), torch.randn(3, 16, 32)
+    block(x1)
+    assert pred.calibrated
+    torch.testing.assert_close(pred.threshold, kth_mean(x1).detach())
+    block(x2)
+    expected = (1 - pred.momentum) * kth_mean(x1) + pred.momentum * kth_mean(x2)
+    torch.testing.assert_close(pred.threshold, expected.detach())
+    before = pred.threshold.clone()
+    block.eval()(torch.randn(3, 16, 32))
+    assert torch.equal(pred.threshold, before)  # evaluation never moves it
+    assert torch.equal(block.state_dict()["predictor.threshold"], before)  # saved with the model
+
+
+def test_predictor_decides_by_router_score_minus_threshold_plus_mlp():
+    torch.manual_seed(0)
+    block = MoDBlock(32, 4, capacity=0.25, causal="predictor").train()
+    x = torch.randn(2, 16, 32)
+    block(x)
+    pred = block.predictor
+    with torch.no_grad():
+        scores = block.router_logits(x)
+        mlp = pred.out(torch.nn.functional.silu(pred.fc(x))).squeeze(-1)
+        torch.testing.assert_close(block.decision_logits(x), scores - pred.threshold + mlp)
+        pred.out.weight.zero_()
+        pred.out.bias.zero_()
+        assert torch.equal(block.decision_logits(x) > 0, scores > pred.threshold)
+    with pytest.raises(ValueError, match="momentum"):
+        RoutingPredictor(32, momentum=0.0)

@@ -146,7 +146,7 @@ def test_torchrun_dp2_ep2_matches_single_process_and_reloads_with_ep1(tmp_path):
     proc = torchrun(4, [*TRAIN, "parallel.dp_size=2", "parallel.ep_size=2", f"train.out_dir={tmp_path / 'ep'}"])
     # The workers' first traceback is at the top of stderr; torchrun's summary at the end.
     assert proc.returncode == 0, proc.stderr[:4000] + "\n...\n" + proc.stderr[-1500:]
-    from mode.train import train
+    from mode.train import build_optimizer, checkpoint_config, load_checkpoint, train
 
     cfg = load_config(None, [*TRAIN, f"train.out_dir={tmp_path / 'single'}"])
     single_model, _ = train(cfg)
@@ -154,10 +154,14 @@ def test_torchrun_dp2_ep2_matches_single_process_and_reloads_with_ep1(tmp_path):
     assert len(ep_losses) == len(single_losses) == 10
     for a, b in zip(ep_losses, single_losses, strict=True):
         assert abs(a - b) <= 1e-4, (ep_losses, single_losses)
-    # The sharded checkpoint written with ep_size=2 loads into one plain process (ep_size=1).
-    reloaded = MoDETransformer(cfg.model).eval()
-    extra = sharded.load(tmp_path / "ep" / "ckpt", reloaded, ctx=None)
-    assert extra["step"] == 10
+    # The sharded checkpoint written with ep_size=2 loads into one plain process (ep_size=1),
+    # through the same entry point as a single-process checkpoint, with the config it saved.
+    path = tmp_path / "ep" / "ckpt"
+    assert checkpoint_config(path).parallel.ep_size == 2
+    reloaded = MoDETransformer(checkpoint_config(path).model).eval()
+    assert load_checkpoint(path, reloaded) == 10
+    with pytest.raises(ValueError, match="per rank"):
+        load_checkpoint(path, reloaded, build_optimizer(reloaded, cfg.train))
     idx = torch.randint(0, 256, (2, 32))
     single_model.eval()
     torch.testing.assert_close(reloaded(idx)[0], single_model(idx)[0], atol=1e-4, rtol=1e-4)

@@ -6,7 +6,7 @@ import torch
 
 from mode.config import load_config
 from mode.model import MoDETransformer
-from mode.train import load_checkpoint, train
+from mode.train import checkpoint_config, load_checkpoint, train
 
 TINY = [
     "model.d_model=64",
@@ -38,13 +38,17 @@ def test_checkpoint_resume_continues_identically(tmp_path):
     cfg_b = load_config("mod", base + [f"train.out_dir={tmp_path / 'b'}"])
     _, first_half = train(cfg_b, stop_at=5)
     assert first_half.steps == 5 and load_checkpoint(tmp_path / "b" / "ckpt.pt", MoDETransformer(cfg_b.model)) == 5
-    _, resumed = train(load_config("mod", base + [f"train.out_dir={tmp_path / 'b'}", "train.resume=true"]))
+    cfg_resumed = load_config("mod", base + [f"train.out_dir={tmp_path / 'b'}", "train.resume=true"])
+    _, resumed = train(cfg_resumed)
     assert resumed.steps == 10
     a, b = MoDETransformer(cfg_b.model), MoDETransformer(cfg_b.model)
     load_checkpoint(tmp_path / "a" / "ckpt.pt", a)
     load_checkpoint(tmp_path / "b" / "ckpt.pt", b)
-    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+    # Parameters and buffers (e.g. the routing predictor's running threshold) resume exactly.
+    assert any(name.endswith("predictor.threshold") for name in a.state_dict())
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
+    assert checkpoint_config(tmp_path / "b" / "ckpt.pt") == cfg_resumed  # the config that wrote it
     assert resumed.train_loss == straight.train_loss
 
 

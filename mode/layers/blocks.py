@@ -109,7 +109,8 @@ class MoDBlock(Routed):
         capacity: share of tokens routed through the block, in [0, 1].
         gate: g in ``x + g(r) f(x)``: "sigmoid" (default), "identity" (the paper) or "none" (g = 1).
         causal: per-token decision for sampling: "none", "router_bce" (router logit trained by
-            BCE toward top-k membership) or "predictor" (small MLP on ``x.detach()``).
+            BCE toward top-k membership) or "predictor" (``RoutingPredictor``: the detached router
+            score minus a running threshold, plus a small MLP on ``x.detach()``).
         causal_coef: coefficient of that BCE loss.
         inner: the block to route around (default: a ``DenseBlock``); must have ``delta``.
     """
@@ -146,14 +147,16 @@ class MoDBlock(Routed):
         scores = self.router(x).squeeze(-1)
         return scores.to(torch.promote_types(scores.dtype, torch.float32))
 
-    def decision_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-token routing logit used in causal mode ([B, T]); routed when > 0."""
+    def decision_logits(self, x: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token routing logit used in causal mode (x: [B, T, D] -> [B, T]); routed when > 0.
+        ``scores`` = ``router_logits(x)`` when the caller has them already."""
         if self.causal == "none":
             raise ValueError(
                 "routing='causal' needs a causal decision method: build the MoD block with "
                 "causal='router_bce' or causal='predictor' (config: model.mod.causal)"
             )
-        return self.predictor(x).float() if self.predictor is not None else self.router_logits(x)
+        scores = self.router_logits(x) if scores is None else scores
+        return self.predictor(x, scores) if self.predictor is not None else scores
 
     def forward(
         self,
@@ -195,7 +198,9 @@ class MoDBlock(Routed):
     def _record_causal_losses(self, x: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor) -> None:
         if self.causal == "none":
             return
-        logits = self.predictor(x).float() if self.predictor is not None else scores
+        if self.predictor is not None and self.training and capacity_to_k(self.capacity, chosen.shape[1]):
+            self.predictor.update_threshold(scores, chosen)
+        logits = self.decision_logits(x, scores)
         self.record_aux("causal_bce", membership_bce(logits, chosen), self.causal_coef)
         for name, value in decision_metrics(logits, chosen).items():
             self.metrics[f"decision_{name}"] = value
@@ -204,20 +209,22 @@ class MoDBlock(Routed):
         """Each token decides alone; the block runs on all tokens with attention restricted to
         routed keys, and only routed tokens take the update (and enter the cache)."""
         self.clear_aux()
-        routed = causal_decisions(self.decision_logits(x))  # [B, T]
+        scores = self.router_logits(x)  # [B, T]
+        routed = causal_decisions(self.decision_logits(x, scores))  # [B, T]
         self.metrics["causal_share"] = routed.float().mean()
         delta = self.block.delta(x, positions, key_mask=routed, cache=cache)
-        g = GATES[self.gate](self.router_logits(x)).unsqueeze(-1).to(delta.dtype)
+        g = GATES[self.gate](scores).unsqueeze(-1).to(delta.dtype)
         return torch.where(routed.unsqueeze(-1), x + g * delta, x)
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x: [B, 1, D] one new token per row; rows whose token skips cost nothing and write no KV."""
-        rows = causal_decisions(self.decision_logits(x)[:, 0]).nonzero().squeeze(-1)
+        scores = self.router_logits(x)  # [B, 1]
+        rows = causal_decisions(self.decision_logits(x, scores)[:, 0]).nonzero().squeeze(-1)
         if rows.numel() == 0:
             return x
         x_r = x.index_select(0, rows)
         delta = self.block.delta_decode(x_r, positions.index_select(0, rows), cache, rows)
-        g = GATES[self.gate](self.router_logits(x_r)).unsqueeze(-1).to(delta.dtype)
+        g = GATES[self.gate](scores.index_select(0, rows)).unsqueeze(-1).to(delta.dtype)
         return x.index_copy(0, rows, x_r + g * delta)
 
 
