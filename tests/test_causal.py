@@ -236,3 +236,16 @@ def test_predictor_decides_by_router_score_minus_threshold_plus_mlp():
         assert torch.equal(block.decision_logits(x) > 0, scores > pred.threshold)
     with pytest.raises(ValueError, match="momentum"):
         RoutingPredictor(32, momentum=0.0)
+
+
+def test_predictor_threshold_stays_float32_in_a_bf16_model():
+    torch.manual_seed(0)
+    block = MoDBlock(32, 4, capacity=0.25, causal="predictor").to(torch.bfloat16).train()
+    assert block.predictor.fc.weight.dtype == torch.bfloat16
+    assert block.predictor.threshold.dtype == torch.float32
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    block(x)
+    first = block.predictor.threshold.clone()
+    block(x + 0.5)
+    assert block.predictor.threshold.dtype == torch.float32 and block.predictor.threshold != first
+    assert block.decision_logits(x).dtype == torch.float32

@@ -45,6 +45,14 @@ class RoutingPredictor(nn.Module):
         self.register_buffer("threshold", torch.zeros(()))
         self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
 
+    def _apply(self, fn, recurse: bool = True):
+        # NOTE: the running threshold stays float32 when the module is cast (``.to(bfloat16)``,
+        # ``.half()``): in bf16 an EMA step of 1% of the gap rounds away near |threshold| ~ 10.
+        threshold = self.threshold
+        super()._apply(fn, recurse)
+        self.threshold = threshold.to(self.threshold.device)
+        return self
+
     def forward(self, x: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         """x: [..., D], score: [...] router logits -> decision logits [...] (float32)."""
         correction = self.out(F.silu(self.fc(x.detach()))).squeeze(-1).float()
