@@ -221,21 +221,54 @@ def test_predictor_threshold_tracks_the_kth_score():
     assert torch.equal(block.state_dict()["predictor.threshold"], before)  # saved with the model
 
 
-def test_predictor_decides_by_router_score_minus_threshold_plus_mlp():
+def reference_thresholds(pred: RoutingPredictor, scores: torch.Tensor) -> torch.Tensor:
+    """Slow reference: token t uses the first L = floor((t + 1) / stride) * stride scores of its
+    row; threshold = (prior * running + L * (k-th largest of them)) / (prior + L)."""
+    B, T = scores.shape
+    out = torch.empty(B, T)
+    for b in range(B):
+        for t in range(T):
+            L = (t + 1) // pred.stride * pred.stride
+            if L == 0:
+                out[b, t] = pred.threshold
+                continue
+            k = max(1, math.floor(pred.capacity * L + 1e-9))
+            q = sorted(scores[b, :L].tolist(), reverse=True)[k - 1]
+            out[b, t] = (pred.prior_tokens * pred.threshold + L * q) / (pred.prior_tokens + L)
+    return out
+
+
+def test_predictor_logit_is_score_minus_prefix_threshold_plus_mlp():
     torch.manual_seed(0)
     block = MoDBlock(32, 4, capacity=0.25, causal="predictor").train()
-    x = torch.randn(2, 16, 32)
+    x = torch.randn(3, 40, 32)  # crosses the stride-16 prefix lengths 16 and 32
     block(x)
     pred = block.predictor
     with torch.no_grad():
         scores = block.router_logits(x)
         mlp = pred.out(torch.nn.functional.silu(pred.fc(x))).squeeze(-1)
-        torch.testing.assert_close(block.decision_logits(x), scores - pred.threshold + mlp)
+        expected = scores - reference_thresholds(pred, scores) + mlp
+        torch.testing.assert_close(block.decision_logits(x), expected)
+        # Decoding token t from the row's recorded scores gives the same logit as the full pass.
+        for t in (0, 14, 15, 16, 31, 39):
+            got = pred.decode_logits(x[:, t : t + 1], scores[:, : t + 1])
+            torch.testing.assert_close(got[:, 0], expected[:, t])
         pred.out.weight.zero_()
         pred.out.bias.zero_()
-        assert torch.equal(block.decision_logits(x) > 0, scores > pred.threshold)
+        assert torch.equal(block.decision_logits(x) > 0, scores > reference_thresholds(pred, scores))
     with pytest.raises(ValueError, match="momentum"):
-        RoutingPredictor(32, momentum=0.0)
+        RoutingPredictor(32, 0.25, momentum=0.0)
+    with pytest.raises(ValueError, match="capacity"):
+        RoutingPredictor(32, 1.5)
+
+
+def test_a_filled_cache_refuses_a_second_prefill():
+    model = make_model("mod", "predictor")
+    caches = model.new_caches(1)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 8)), routing="causal", caches=caches)
+        with pytest.raises(ValueError, match="fresh caches"):
+            model(torch.randint(0, 256, (1, 8)), routing="causal", caches=caches)
 
 
 def test_predictor_threshold_stays_float32_in_a_bf16_model():

@@ -110,7 +110,8 @@ class MoDBlock(Routed):
         gate: g in ``x + g(r) f(x)``: "sigmoid" (default), "identity" (the paper) or "none" (g = 1).
         causal: per-token decision for sampling: "none", "router_bce" (router logit trained by
             BCE toward top-k membership) or "predictor" (``RoutingPredictor``: the detached router
-            score minus a running threshold, plus a small MLP on ``x.detach()``).
+            score minus the top-k threshold of the tokens so far, plus a small MLP on
+            ``x.detach()``).
         causal_coef: coefficient of that BCE loss.
         inner: the block to route around (default: a ``DenseBlock``); must have ``delta``.
     """
@@ -136,7 +137,7 @@ class MoDBlock(Routed):
             raise ValueError(f"causal={causal!r} is invalid: choose one of {list(CAUSAL_METHODS)}")
         self.capacity, self.gate, self.causal, self.causal_coef = capacity, gate, causal, causal_coef
         self.router = nn.Linear(d_model, 1, bias=False)
-        self.predictor = RoutingPredictor(d_model, predictor_hidden) if causal == "predictor" else None
+        self.predictor = RoutingPredictor(d_model, capacity, predictor_hidden) if causal == "predictor" else None
         self.block = inner if inner is not None else DenseBlock(d_model, n_heads, mlp_ratio, rope_base)
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> KVCache:
@@ -148,8 +149,8 @@ class MoDBlock(Routed):
         return scores.to(torch.promote_types(scores.dtype, torch.float32))
 
     def decision_logits(self, x: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token routing logit used in causal mode (x: [B, T, D] -> [B, T]); routed when > 0.
-        ``scores`` = ``router_logits(x)`` when the caller has them already."""
+        """Per-token routing logit used in causal mode (x: [B, T, D], a sequence from its first
+        token -> [B, T]); routed when > 0. ``scores`` = ``router_logits(x)`` if already known."""
         if self.causal == "none":
             raise ValueError(
                 "routing='causal' needs a causal decision method: build the MoD block with "
@@ -206,20 +207,28 @@ class MoDBlock(Routed):
             self.metrics[f"decision_{name}"] = value
 
     def _forward_causal(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """Each token decides alone; the block runs on all tokens with attention restricted to
-        routed keys, and only routed tokens take the update (and enter the cache)."""
+        """Each token decides alone (x: a sequence from its first token); the block runs on all
+        tokens with attention restricted to routed keys, and only routed tokens take the update
+        (and enter the cache, which must be empty: a forward is the prefill)."""
         self.clear_aux()
         scores = self.router_logits(x)  # [B, T]
         routed = causal_decisions(self.decision_logits(x, scores))  # [B, T]
         self.metrics["causal_share"] = routed.float().mean()
         delta = self.block.delta(x, positions, key_mask=routed, cache=cache)
+        if cache is not None and self.predictor is not None:
+            cache.record_scores(scores)  # the prefix the predictor's decode continues from
         g = GATES[self.gate](scores).unsqueeze(-1).to(delta.dtype)
         return torch.where(routed.unsqueeze(-1), x + g * delta, x)
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x: [B, 1, D] one new token per row; rows whose token skips cost nothing and write no KV."""
         scores = self.router_logits(x)  # [B, 1]
-        rows = causal_decisions(self.decision_logits(x, scores)[:, 0]).nonzero().squeeze(-1)
+        if self.predictor is not None:
+            cache.record_scores(scores)
+            logits = self.predictor.decode_logits(x, cache.scores_seen())
+        else:
+            logits = self.decision_logits(x, scores)
+        rows = causal_decisions(logits[:, 0]).nonzero().squeeze(-1)
         if rows.numel() == 0:
             return x
         x_r = x.index_select(0, rows)

@@ -17,6 +17,9 @@ class KVCache:
         self.k = torch.empty(batch, n_heads, 0, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        # Router scores of every token the layer has seen, routed or not: [B, n] (the routing
+        # predictor's prefix; empty unless a predictor records them).
+        self.scores = torch.empty(batch, 0, dtype=torch.float32, device=device)
 
     def _reserve(self, needed: int) -> None:
         capacity = self.k.shape[2]
@@ -31,6 +34,13 @@ class KVCache:
     def fill(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Store a prefill's keys/values k, v: [B, H, T, Dh]; only tokens with ``keep`` ([B, T]) if given."""
         B, H, T, Dh = k.shape
+        if self.lengths.any() or self.scores.shape[1]:
+            # NOTE: a forward pass attends only within its own tokens, so a second prefill into
+            # a filled cache would leave its tokens blind to the first: refuse it.
+            raise ValueError(
+                "this KV cache already holds tokens: a causal forward fills fresh caches "
+                "(model.new_caches) and decode continues from them one token at a time"
+            )
         if keep is None:
             keep = torch.ones(B, T, dtype=torch.bool, device=k.device)
         counts = keep.sum(dim=1)
@@ -50,6 +60,14 @@ class KVCache:
         self.v[rows, :, pos] = v[:, :, 0]
         self.lengths[rows] += 1
 
+    def record_scores(self, scores: torch.Tensor) -> None:
+        """Append router scores [B, T] of every row's next T tokens (routed or not)."""
+        self.scores = torch.cat([self.scores, scores.detach().float()], dim=1)
+
+    def scores_seen(self) -> torch.Tensor:
+        """[B, n] router scores of the n tokens recorded so far per row."""
+        return self.scores
+
     def view(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values [b, H, L, Dh] of ``rows`` and the valid-entry mask [b, 1, 1, L]."""
         lengths = self.lengths[rows]
@@ -62,9 +80,10 @@ class KVCache:
         return int(self.lengths.sum())
 
     def nbytes_used(self) -> int:
-        """Bytes of the stored keys and values (entries x heads x head dim x 2 x element size)."""
+        """Bytes of the stored keys and values (entries x heads x head dim x 2 x element size)
+        plus the recorded router scores (4 bytes per token and row, when a predictor keeps them)."""
         B, H, _, Dh = self.k.shape
-        return self.entries() * H * Dh * 2 * self.k.element_size()
+        return self.entries() * H * Dh * 2 * self.k.element_size() + self.scores.numel() * self.scores.element_size()
 
     def nbytes_allocated(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

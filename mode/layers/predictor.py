@@ -1,14 +1,17 @@
 """The auxiliary routing predictor of a MoD block (causal sampling, "predictor" method).
 
 Top-k keeps a token when its router score is above the k-th largest score of its sequence,
-a threshold that depends on later tokens. The predictor replaces that threshold by one that
-does not: a running mean of the k-th score over training batches, plus a small MLP on the
-token that learns, by BCE toward top-k membership, where the fixed threshold is wrong.
+a threshold that depends on later tokens. The predictor replaces it by one that does not: the
+same order statistic over the tokens seen so far (the prefix), shrunk toward a running mean of
+the k-th score over training batches while the prefix is short, plus a small MLP on the token
+that learns, by BCE toward top-k membership, where that threshold is wrong.
 
-Legend: B batch, T tokens, D model dim.
+Legend: B batch, T tokens (a sequence from its first token), D model dim, c capacity.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -16,28 +19,47 @@ from torch import nn
 
 
 class RoutingPredictor(nn.Module):
-    """Predicts from one token alone whether top-k routing would choose it.
+    """Predicts from a token and the tokens before it whether top-k routing would choose it.
 
-    ``logit = (score - threshold) + mlp(x)``, routed when ``logit > 0``, where ``score`` is the
-    MoD router's logit for the token, ``threshold`` a buffer tracking the mean per-sequence
-    k-th largest score (``update_threshold``, called in training steps with top-k routing),
-    and ``mlp`` a one-hidden-layer SiLU MLP whose output starts near zero. Both inputs
-    are detached, so training the predictor never changes the trunk or the router.
+    ``logit_t = (score_t - threshold_t) + mlp(x_t)``, routed when ``logit_t > 0``, with
 
-    NOTE: the MLP alone (the MoD paper's predictor) has to learn the router's own linear
-    score, a moving target, from scratch; on the compare.py ``mod`` model a fixed threshold on
-    the router score decides like top-k on 98% of tokens where the MLP alone reached 95-97%
-    (benchmarks/RESULTS.md, "Causal sampling").
+    - ``score``: the MoD router's logit of each token (detached);
+    - ``threshold_t = (prior_tokens * running + L * q_L) / (prior_tokens + L)``, where ``L`` is
+      the number of tokens up to t rounded down to a multiple of ``stride`` and ``q_L`` the
+      ``max(1, floor(c * L))``-th largest score among the first ``L`` tokens of the row: the
+      top-k rule applied to the prefix. ``running`` (buffer ``threshold``) is the mean
+      per-sequence k-th score over training steps (``update_threshold``), the prior for short
+      prefixes. ``stride`` bounds the cost: T / stride top-k calls over at most T scores;
+    - ``mlp``: one SiLU hidden layer on ``x.detach()``, output starting near zero.
 
+    Nothing here sends gradient to the trunk or the router. In decoding, the prefix is the
+    row's scores kept by the KV cache (``KVCache.record_scores``), so a decoded token decides
+    exactly as in a full causal forward over the same sequence.
+
+    NOTE: the MLP alone (the MoD paper's predictor) has to relearn the router's moving linear
+    score; a fixed threshold on the score cannot follow sequences whose k-th score sits high or
+    low; the prefix order statistic can (benchmarks/RESULTS.md, "Causal sampling").
     Under DDP with ``broadcast_buffers=False`` each rank keeps its own running threshold (they
     agree to the noise of their batches); the checkpoint holds rank 0's.
     """
 
-    def __init__(self, d_model: int, hidden: int = 64, momentum: float = 0.01) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        capacity: float,
+        hidden: int = 64,
+        momentum: float = 0.01,
+        prior_tokens: int = 32,
+        stride: int = 16,
+    ) -> None:
         super().__init__()
         if not 0.0 < momentum <= 1.0:
             raise ValueError(f"momentum={momentum!r} is invalid: must be in (0, 1]")
-        self.momentum = momentum
+        if not 0.0 <= capacity <= 1.0:
+            raise ValueError(f"capacity={capacity!r} is invalid: must be in [0.0, 1.0]")
+        if prior_tokens < 0 or stride < 1:
+            raise ValueError(f"prior_tokens={prior_tokens} must be >= 0 and stride={stride} >= 1")
+        self.capacity, self.momentum, self.prior_tokens, self.stride = capacity, momentum, prior_tokens, stride
         self.fc = nn.Linear(d_model, hidden)
         self.out = nn.Linear(hidden, 1)
         nn.init.normal_(self.out.weight, std=0.02)  # as MoDETransformer's init: starts near 0
@@ -53,14 +75,46 @@ class RoutingPredictor(nn.Module):
         self.threshold = threshold.to(self.threshold.device)
         return self
 
-    def forward(self, x: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        """x: [..., D], score: [...] router logits -> decision logits [...] (float32)."""
-        correction = self.out(F.silu(self.fc(x.detach()))).squeeze(-1).float()
-        return score.detach().float() - self.threshold + correction
+    def correction(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., D] -> the MLP's term of the logit [...] (float32)."""
+        return self.out(F.silu(self.fc(x.detach()))).squeeze(-1).float()
+
+    def _prefix_threshold(self, scores: torch.Tensor, length: int) -> torch.Tensor:
+        """Threshold of a token whose rounded prefix is the first ``length`` of ``scores`` [B, n] -> [B]."""
+        if length == 0:
+            return self.threshold.expand(scores.shape[0])
+        k = max(1, math.floor(self.capacity * length + 1e-9))
+        q = scores[:, :length].topk(k, dim=-1).values[:, -1]
+        return (self.prior_tokens * self.threshold + length * q) / (self.prior_tokens + length)
+
+    def thresholds(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores: [B, T] of a sequence from its first token -> causal thresholds [B, T]."""
+        s = scores.detach().float()
+        T = s.shape[1]
+        out = torch.empty_like(s)
+        for start in range(0, T, self.stride):  # tokens start-1 .. start+stride-2 share L = start
+            lo, hi = max(start - 1, 0), min(start + self.stride - 1, T)
+            out[:, lo:hi] = self._prefix_threshold(s, start).unsqueeze(-1)
+        if T % self.stride == 0:
+            out[:, T - 1] = self._prefix_threshold(s, T)
+        return out
+
+    def forward(self, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D], scores: [B, T] router logits of a sequence from its first token ->
+        decision logits [B, T] (float32)."""
+        return scores.detach().float() - self.thresholds(scores) + self.correction(x)
+
+    def decode_logits(self, x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """One new token per row: x [B, 1, D], history [B, n] the row's scores so far with this
+        token's last -> [B, 1], equal to ``forward`` on the whole sequence at its last position."""
+        s = history.detach().float()
+        n = s.shape[1]
+        threshold = self._prefix_threshold(s, n // self.stride * self.stride)
+        return (s[:, -1] - threshold).unsqueeze(-1) + self.correction(x)
 
     @torch.no_grad()
     def update_threshold(self, scores: torch.Tensor, chosen: torch.Tensor) -> None:
-        """Move the threshold toward the mean k-th largest score of this batch.
+        """Move the running threshold toward the mean k-th largest score of this batch.
 
         scores: [B, T] router logits, chosen: [B, T] bool top-k membership with the same
         k >= 1 tokens in every row. The first update sets the threshold.
