@@ -62,8 +62,9 @@ class RoutingConfig:
     gate: g(r) in ``x + g(r) * f(x)``; "sigmoid" (default), "identity" (the paper), "none" (g = 1:
         no router gradient; for ablations and equivalence tests).
     causal: how a token decides alone at sampling time: "router_bce" trains the router logit
-        toward top-k membership, "predictor" thresholds the detached router score at a running
-        mean of the k-th largest score, corrected by a small MLP on ``x.detach()`` trained by BCE.
+        toward top-k membership, "predictor" applies the top-k rule to the tokens so far (the
+        detached router score against the k-th largest score of the prefix), corrected by a
+        small MLP on ``x.detach()`` trained by BCE (``mode.layers.predictor``).
     """
 
     capacity: float = 0.125

@@ -8,6 +8,7 @@ import torch
 import mode
 from mode.config import load_config
 from mode.layers.blocks import MoDBlock
+from mode.layers.kv_cache import KVCache
 from mode.layers.predictor import RoutingPredictor
 from mode.model import MoDETransformer
 from mode.routing.causal import decision_metrics, membership_bce
@@ -282,3 +283,12 @@ def test_predictor_threshold_stays_float32_in_a_bf16_model():
     block(x + 0.5)
     assert block.predictor.threshold.dtype == torch.float32 and block.predictor.threshold != first
     assert block.decision_logits(x).dtype == torch.float32
+
+
+def test_kv_cache_records_scores_past_its_first_allocation():
+    cache = KVCache(2, 1, 4, torch.float32, torch.device("cpu"))
+    first, second = torch.randn(2, 50), torch.randn(2, 30)
+    cache.record_scores(first)
+    cache.record_scores(second)
+    assert torch.equal(cache.scores_seen(), torch.cat([first, second], dim=1))
+    assert cache.nbytes_used() == 2 * 80 * 4  # no KV entries yet: the scores alone

@@ -225,7 +225,7 @@ class MoDBlock(Routed):
         scores = self.router_logits(x)  # [B, 1]
         if self.predictor is not None:
             cache.record_scores(scores)
-            logits = self.predictor.decode_logits(x, cache.scores_seen())
+            logits = self.predictor.decode_logits(x, cache.scores_seen(), cache.memo)
         else:
             logits = self.decision_logits(x, scores)
         rows = causal_decisions(logits[:, 0]).nonzero().squeeze(-1)

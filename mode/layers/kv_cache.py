@@ -17,9 +17,13 @@ class KVCache:
         self.k = torch.empty(batch, n_heads, 0, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        # Router scores of every token the layer has seen, routed or not: [B, n] (the routing
-        # predictor's prefix; empty unless a predictor records them).
+        # Router scores of every token the layer has seen, routed or not: [B, capacity], the
+        # first n_scores valid (the routing predictor's prefix; empty unless a predictor records
+        # them), and scratch space for routing state derived from them (e.g. the predictor's
+        # threshold, which changes only every few tokens).
         self.scores = torch.empty(batch, 0, dtype=torch.float32, device=device)
+        self.n_scores = 0
+        self.memo: dict = {}
 
     def _reserve(self, needed: int) -> None:
         capacity = self.k.shape[2]
@@ -34,7 +38,7 @@ class KVCache:
     def fill(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Store a prefill's keys/values k, v: [B, H, T, Dh]; only tokens with ``keep`` ([B, T]) if given."""
         B, H, T, Dh = k.shape
-        if self.lengths.any() or self.scores.shape[1]:
+        if self.lengths.any() or self.n_scores:
             # NOTE: a forward pass attends only within its own tokens, so a second prefill into
             # a filled cache would leave its tokens blind to the first: refuse it.
             raise ValueError(
@@ -62,11 +66,17 @@ class KVCache:
 
     def record_scores(self, scores: torch.Tensor) -> None:
         """Append router scores [B, T] of every row's next T tokens (routed or not)."""
-        self.scores = torch.cat([self.scores, scores.detach().float()], dim=1)
+        B, T = scores.shape
+        if self.n_scores + T > self.scores.shape[1]:
+            grown = self.scores.new_zeros(B, max(self.n_scores + T, 2 * self.scores.shape[1], 64))
+            grown[:, : self.n_scores] = self.scores[:, : self.n_scores]
+            self.scores = grown
+        self.scores[:, self.n_scores : self.n_scores + T] = scores.detach()
+        self.n_scores += T
 
     def scores_seen(self) -> torch.Tensor:
         """[B, n] router scores of the n tokens recorded so far per row."""
-        return self.scores
+        return self.scores[:, : self.n_scores]
 
     def view(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values [b, H, L, Dh] of ``rows`` and the valid-entry mask [b, 1, 1, L]."""
@@ -83,7 +93,9 @@ class KVCache:
         """Bytes of the stored keys and values (entries x heads x head dim x 2 x element size)
         plus the recorded router scores (4 bytes per token and row, when a predictor keeps them)."""
         B, H, _, Dh = self.k.shape
-        return self.entries() * H * Dh * 2 * self.k.element_size() + self.scores.numel() * self.scores.element_size()
+        kv = self.entries() * H * Dh * 2 * self.k.element_size()
+        return kv + self.scores_seen().numel() * self.scores.element_size()
 
     def nbytes_allocated(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes held, spare capacity included."""
+        return 2 * self.k.numel() * self.k.element_size() + self.scores.numel() * self.scores.element_size()

@@ -104,12 +104,19 @@ class RoutingPredictor(nn.Module):
         decision logits [B, T] (float32)."""
         return scores.detach().float() - self.thresholds(scores) + self.correction(x)
 
-    def decode_logits(self, x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    def decode_logits(self, x: torch.Tensor, history: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
         """One new token per row: x [B, 1, D], history [B, n] the row's scores so far with this
-        token's last -> [B, 1], equal to ``forward`` on the whole sequence at its last position."""
+        token's last -> [B, 1], equal to ``forward`` on the whole sequence at its last position.
+        ``memo`` (e.g. ``KVCache.memo``) keeps the threshold between tokens: it changes only
+        when the prefix length reaches the next multiple of ``stride``."""
         s = history.detach().float()
-        n = s.shape[1]
-        threshold = self._prefix_threshold(s, n // self.stride * self.stride)
+        length = s.shape[1] // self.stride * self.stride
+        if memo is not None and memo.get("predictor_length") == length:
+            threshold = memo["predictor_threshold"]
+        else:
+            threshold = self._prefix_threshold(s, length)
+            if memo is not None:
+                memo.update(predictor_length=length, predictor_threshold=threshold)
         return (s[:, -1] - threshold).unsqueeze(-1) + self.correction(x)
 
     @torch.no_grad()

@@ -3,8 +3,9 @@
 Top-k over a sequence looks at later tokens, so at sampling time a token decides alone:
 it is routed when a per-token logit is > 0. That logit is either the MoD router's own score,
 trained with ``membership_bce`` toward the top-k decision ("router_bce"), or the output of a
-predictor that sees only detached inputs: the router score minus a running threshold plus a
-small MLP on ``x.detach()`` trained the same way ("predictor", ``mode.layers.predictor``).
+predictor that sees only detached inputs: the router score minus the top-k threshold of the
+tokens so far, plus a small MLP on ``x.detach()`` trained the same way ("predictor",
+``mode.layers.predictor``).
 
 Legend: B batch, T tokens.
 """
