@@ -79,10 +79,14 @@ class KVCache:
         return self.scores[:, : self.n_scores]
 
     def view(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys, values [b, H, L, Dh] of ``rows`` and the valid-entry mask [b, 1, 1, L]."""
+        """Keys, values [b, H, L, Dh] of ``rows`` (sorted, distinct) and the valid-entry mask
+        [b, 1, 1, L]. With every row (a dense layer, or a routed one where all rows route)
+        they are views of the cache; a subset of rows is gathered (a copy)."""
         lengths = self.lengths[rows]
         L = int(lengths.max())
         mask = torch.arange(L, device=lengths.device) < lengths[:, None]
+        if rows.numel() == self.k.shape[0]:  # sorted and distinct: all rows, in order
+            return self.k[:, :, :L], self.v[:, :, :L], mask[:, None, None, :]
         return self.k[rows, :, :L], self.v[rows, :, :L], mask[:, None, None, :]
 
     def entries(self) -> int:
