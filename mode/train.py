@@ -134,10 +134,11 @@ def load_checkpoint(
                 "load it without an optimizer to use the model"
             )
         extra = sharded.load(path, model, ctx=None)
-        torch.set_rng_state(extra["rng"])
-        if data_rng is not None:
+        if "rng" in extra:
+            torch.set_rng_state(extra["rng"])
+        if data_rng is not None and "data_rng" in extra:
             data_rng.set_state(extra["data_rng"])
-        return int(extra["step"])
+        return int(extra.get("step", 0))
     state = torch.load(path, map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     if opt is not None:
@@ -152,6 +153,8 @@ def checkpoint_config(path: Path) -> Config:
     """The config a checkpoint was trained with (a ``ckpt.pt`` file or a ``ckpt/`` directory)."""
     path = Path(path)
     state = torch.load(path / "extra.pt" if path.is_dir() else path, map_location="cpu", weights_only=False)
+    if "config" not in state:
+        raise ValueError(f"{path} holds no training config (it was not written by mode.train)")
     return from_dict(state["config"])
 
 

@@ -226,6 +226,12 @@ def test_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     assert sharded.load(path, restored, None)["step"] == 1
     torch.manual_seed(0)
     torch.testing.assert_close(restored.tok_emb.weight, MoDETransformer(cfg).tok_emb.weight)
+    # Written outside mode.train (no RNG state, no config): the model still loads.
+    from mode.train import checkpoint_config, load_checkpoint
+
+    assert load_checkpoint(path, MoDETransformer(cfg)) == 1
+    with pytest.raises(ValueError, match="no training config"):
+        checkpoint_config(path)
 
 
 def bias_worker(rank: int, world: int, out_dir: str) -> None:
