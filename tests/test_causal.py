@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mode
 from mode.config import load_config
@@ -237,6 +239,27 @@ def reference_thresholds(pred: RoutingPredictor, scores: torch.Tensor) -> torch.
             q = sorted(scores[b, :L].tolist(), reverse=True)[k - 1]
             out[b, t] = (pred.prior_tokens * pred.threshold + L * q) / (pred.prior_tokens + L)
     return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    T=st.integers(1, 70),
+    stride=st.integers(1, 20),
+    capacity=st.sampled_from([0.0, 0.05, 0.125, 0.5, 1.0]),
+    prior=st.integers(0, 40),
+    seed=st.integers(0, 10_000),
+)
+def test_predictor_thresholds_match_the_slow_reference(T, stride, capacity, prior, seed):
+    torch.manual_seed(seed)
+    pred = RoutingPredictor(8, capacity, prior_tokens=prior, stride=stride)
+    pred.threshold.fill_(torch.randn(()).item())
+    scores = torch.randn(2, T).round(decimals=1)  # ties are common
+    thresholds = pred.thresholds(scores)
+    torch.testing.assert_close(thresholds, reference_thresholds(pred, scores))
+    # Causal: the thresholds of the first t tokens do not depend on the tokens after them.
+    t = T // 2
+    edited = torch.cat([scores[:, :t], torch.randn(2, T - t)], dim=1)
+    assert torch.equal(pred.thresholds(edited)[:, :t], thresholds[:, :t])
 
 
 def test_predictor_logit_is_score_minus_prefix_threshold_plus_mlp():
