@@ -133,17 +133,19 @@ def load_checkpoint(
                 "resumes only under torchrun with the same parallel.dp_size and parallel.ep_size; "
                 "load it without an optimizer to use the model"
             )
-        extra = sharded.load(path, model, ctx=None)
-        if "rng" in extra:
-            torch.set_rng_state(extra["rng"])
-        if data_rng is not None and "data_rng" in extra:
-            data_rng.set_state(extra["data_rng"])
-        return int(extra.get("step", 0))
+        return _restore_progress(sharded.load(path, model, ctx=None), data_rng)
     state = torch.load(path, map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     if opt is not None:
         opt.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+    return _restore_progress(state, data_rng)
+
+
+def _restore_progress(state: dict, data_rng: torch.Generator | None) -> int:
+    """Restore the RNG states a checkpoint's ``state`` kept (either kind of checkpoint; a
+    DCP one written outside mode.train may keep none) and return its step."""
+    if state.get("rng") is not None:
+        torch.set_rng_state(state["rng"])
     if data_rng is not None and state.get("data_rng") is not None:
         data_rng.set_state(state["data_rng"])
     return int(state["step"])
@@ -152,7 +154,9 @@ def load_checkpoint(
 def checkpoint_config(path: Path) -> Config:
     """The config a checkpoint was trained with (a ``ckpt.pt`` file or a ``ckpt/`` directory)."""
     path = Path(path)
-    state = torch.load(path / "extra.pt" if path.is_dir() else path, map_location="cpu", weights_only=False)
+    # NOTE: mmap, so that reading the config of a ckpt.pt does not read its tensors.
+    file = path / "extra.pt" if path.is_dir() else path
+    state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
     if "config" not in state:
         raise ValueError(f"{path} holds no training config (it was not written by mode.train)")
     return from_dict(state["config"])
@@ -359,10 +363,7 @@ def _save_any(path: Path, model, opt, step: int, cfg: Config, gen: torch.Generat
 def _load_any(path: Path, model, opt, gen: torch.Generator, ctx) -> int:
     if ctx is None:
         return load_checkpoint(path, model, opt, gen)
-    extra = sharded.load(path, model, ctx, opt)
-    gen.set_state(extra["data_rng"])
-    torch.set_rng_state(extra["rng"])
-    return int(extra["step"])
+    return _restore_progress(sharded.load(path, model, ctx, opt), gen)
 
 
 def print_flops(cfgs: list[Config]) -> None:

@@ -26,14 +26,7 @@ class KVCache:
         self.memo: dict = {}
 
     def _reserve(self, needed: int) -> None:
-        capacity = self.k.shape[2]
-        if needed <= capacity:
-            return
-        new_capacity = max(needed, 2 * capacity, 16)
-        pad = new_capacity - capacity
-        B, H, _, Dh = self.k.shape
-        self.k = torch.cat([self.k, self.k.new_zeros(B, H, pad, Dh)], dim=2)
-        self.v = torch.cat([self.v, self.v.new_zeros(B, H, pad, Dh)], dim=2)
+        self.k, self.v = _grown(self.k, 2, needed), _grown(self.v, 2, needed)
 
     def fill(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Store a prefill's keys/values k, v: [B, H, T, Dh]; only tokens with ``keep`` ([B, T]) if given."""
@@ -66,11 +59,8 @@ class KVCache:
 
     def record_scores(self, scores: torch.Tensor) -> None:
         """Append router scores [B, T] of every row's next T tokens (routed or not)."""
-        B, T = scores.shape
-        if self.n_scores + T > self.scores.shape[1]:
-            grown = self.scores.new_zeros(B, max(self.n_scores + T, 2 * self.scores.shape[1], 64))
-            grown[:, : self.n_scores] = self.scores[:, : self.n_scores]
-            self.scores = grown
+        T = scores.shape[1]
+        self.scores = _grown(self.scores, 1, self.n_scores + T)
         self.scores[:, self.n_scores : self.n_scores + T] = scores.detach()
         self.n_scores += T
 
@@ -103,3 +93,14 @@ class KVCache:
     def nbytes_allocated(self) -> int:
         """Bytes held, spare capacity included."""
         return 2 * self.k.numel() * self.k.element_size() + self.scores.numel() * self.scores.element_size()
+
+
+def _grown(t: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
+    """``t`` with room for ``needed`` entries along ``dim`` (capacity doubles, at least 16);
+    the new entries are zero."""
+    capacity = t.shape[dim]
+    if needed <= capacity:
+        return t
+    shape = list(t.shape)
+    shape[dim] = max(needed, 2 * capacity, 16) - capacity
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
