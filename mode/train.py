@@ -97,13 +97,16 @@ def save_checkpoint(
     step: int,
     cfg: Config,
     data_rng: torch.Generator | None = None,
+    elapsed: float = 0.0,
 ) -> None:
-    """Atomic: write to a temporary file, then rename over the last good checkpoint."""
+    """Atomic: write to a temporary file, then rename over the last good checkpoint.
+    ``elapsed`` is the training time spent so far (the ``max_seconds`` budget's clock)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {
         "model": model.state_dict(),
         "optimizer": opt.state_dict(),
         "step": step,
+        "elapsed": elapsed,
         "config": to_dict(cfg),
         "rng": torch.get_rng_state(),
         "data_rng": data_rng.get_state() if data_rng is not None else None,
@@ -125,6 +128,16 @@ def load_checkpoint(
     the latter loads into this single process whatever ``ep_size`` wrote it, model weights
     only, since its optimizer state is per rank (resume it with torchrun on its own layout).
     """
+    return _load_progress(path, model, opt, data_rng)[0]
+
+
+def _load_progress(
+    path: Path,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer | None = None,
+    data_rng: torch.Generator | None = None,
+) -> tuple[int, float]:
+    """``load_checkpoint``, returning the step and the elapsed training time (seconds)."""
     path = Path(path)
     if path.is_dir():
         if opt is not None:
@@ -141,14 +154,15 @@ def load_checkpoint(
     return _restore_progress(state, data_rng)
 
 
-def _restore_progress(state: dict, data_rng: torch.Generator | None) -> int:
+def _restore_progress(state: dict, data_rng: torch.Generator | None) -> tuple[int, float]:
     """Restore the RNG states a checkpoint's ``state`` kept (either kind of checkpoint; a
-    DCP one written outside mode.train may keep none) and return its step."""
+    DCP one written outside mode.train may keep none) and return its step and elapsed
+    training time (0 for checkpoints written before the time was saved)."""
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
     if data_rng is not None and state.get("data_rng") is not None:
         data_rng.set_state(state["data_rng"])
-    return int(state["step"])
+    return int(state["step"]), float(state.get("elapsed", 0.0))
 
 
 def checkpoint_config(path: Path) -> Config:
@@ -276,9 +290,10 @@ def train(
     out_dir = Path(tc.out_dir)
     ckpt = out_dir / ("ckpt" if ctx else "ckpt.pt")
     gen = torch.Generator().manual_seed(tc.seed)
-    start = 0
+    start, elapsed = 0, 0.0
     if tc.resume and ckpt.exists():
-        start = _load_any(ckpt, model, opt, gen, ctx)
+        # The time budget continues too: the schedule and the max_seconds stop use it.
+        start, elapsed = _load_any(ckpt, model, opt, gen, ctx)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -291,10 +306,11 @@ def train(
     # NOTE: the wall-clock budget (max_seconds, the time-based schedule) counts training steps
     # with their data loading, not evaluation or checkpoints, so that variants whose eval
     # costs more (causal-mode eval) are not charged for it.
-    elapsed = 0.0
     bar = tqdm(range(start, tc.steps), disable=not tc.progress or rank != 0, desc=cfg.name, dynamic_ncols=True)
     model.train()
     for step in bar:
+        if tc.max_seconds and elapsed >= tc.max_seconds:
+            break  # a resumed run whose time budget was already spent
         t_batch = time.perf_counter()
         lr = lr_at(step, tc, elapsed)
         for group in opt.param_groups:
@@ -341,28 +357,34 @@ def train(
             log.flush()
             bar.set_postfix(loss=f"{result.train_loss:.3f}", val=f"{result.val_loss:.3f}")
         if tc.ckpt_every and done % tc.ckpt_every == 0:
-            _save_any(ckpt, model, opt, done, cfg, gen, ctx)
+            _save_any(ckpt, model, opt, done, cfg, gen, ctx, elapsed)
         result.steps = done
         if out_of_time:
             break
     bar.close()
     if log is not None:
         log.close()
-    _save_any(ckpt, model, opt, result.steps, cfg, gen, ctx)
+    _save_any(ckpt, model, opt, result.steps, cfg, gen, ctx, elapsed)
     return model, result
 
 
-def _save_any(path: Path, model, opt, step: int, cfg: Config, gen: torch.Generator, ctx) -> None:
+def _save_any(path: Path, model, opt, step: int, cfg: Config, gen: torch.Generator, ctx, elapsed: float) -> None:
     if ctx is None:
-        save_checkpoint(path, model, opt, step, cfg, gen)
+        save_checkpoint(path, model, opt, step, cfg, gen, elapsed)
     else:
-        extra = {"step": step, "config": to_dict(cfg), "data_rng": gen.get_state(), "rng": torch.get_rng_state()}
+        extra = {
+            "step": step,
+            "elapsed": elapsed,
+            "config": to_dict(cfg),
+            "data_rng": gen.get_state(),
+            "rng": torch.get_rng_state(),
+        }
         sharded.save(path, model, ctx, extra, opt)
 
 
-def _load_any(path: Path, model, opt, gen: torch.Generator, ctx) -> int:
+def _load_any(path: Path, model, opt, gen: torch.Generator, ctx) -> tuple[int, float]:
     if ctx is None:
-        return load_checkpoint(path, model, opt, gen)
+        return _load_progress(path, model, opt, gen)
     return _restore_progress(sharded.load(path, model, ctx, opt), gen)
 
 

@@ -251,3 +251,91 @@ def bias_worker(rank: int, world: int, out_dir: str) -> None:
 
 def test_aux_loss_free_bias_stays_identical_across_data_parallel_ranks(tmp_path):
     run_workers(bias_worker, 2, str(tmp_path))
+
+
+# -- a rank with nothing to dispatch ---------------------------------------------------------
+# Rank 1 either sends every local token to a no-op expert (integrated MoDE) or has an empty
+# local batch. Its combine must stay connected to the all-to-all outputs, or its backward
+# skips both collectives while rank 0 waits in them (a hang). The process group gets a short
+# timeout so that a regression fails the test instead of hanging CI.
+NOOP = 4
+
+
+def starving_direction() -> torch.Tensor:
+    return torch.randn(D, generator=torch.Generator().manual_seed(3))
+
+
+def starving_layer(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "integrated":
+        layer = IntegratedMoDEBlock(D, 4, n_experts=E, n_noop=NOOP, top_k=2, lb_coef=0.01, z_coef=0.001)
+    else:
+        layer = DroplessMoE(D, F_, E, 2, n_noop=NOOP, lb_coef=0.01, z_coef=0.001)
+    with torch.no_grad():
+        for m in layer.modules():
+            if isinstance(m, DroplessMoE):
+                # No-op logits follow the input's projection on one direction v, real experts
+                # stay near zero: +v goes to no-op experts only, -v to real experts only.
+                m.router.weight.mul_(0.01)
+                m.router.weight[E:] = starving_direction()
+    return layer
+
+
+def starving_inputs(kind: str, case: str) -> list[torch.Tensor]:
+    """Per-rank inputs for 2 ranks: rank 0 routes to real experts, rank 1 to no-ops or nothing
+    (the integrated block's LayerNorm keeps the direction of a large +-v input)."""
+    gen = torch.Generator().manual_seed(2)
+    shape = (2, 6, D) if kind == "integrated" else (12, D)
+    v = 10 * starving_direction()
+    x0 = -v + 0.1 * torch.randn(*shape, generator=gen)
+    x1 = v + 0.1 * torch.randn(*shape, generator=gen)
+    if case == "empty":
+        x1 = x1[:0]
+    return [x0, x1]
+
+
+def starving_worker(rank: int, world: int, kind: str, case: str, out_dir: str) -> None:
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    ctx = init_mesh(dp=1, ep=world)
+    layer = parallelize(starving_layer(kind), ctx)
+    x = starving_inputs(kind, case)[rank].clone().requires_grad_(True)
+    y = layer(x)
+    loss = (y * y).sum() + sum(v for m in layer.modules() for v in getattr(m, "aux_losses", {}).values())
+    loss.backward()
+    replicated = {n: p.grad.clone() for n, p in layer.named_parameters() if "experts" not in n}
+    for grad in replicated.values():
+        dist.all_reduce(grad)
+    experts = {n: p.grad for n, p in layer.named_parameters() if "experts" in n}
+    dispatched = [m.metrics["dispatched"] for m in layer.modules() if isinstance(m, DroplessMoE)][0]
+    torch.save(
+        {"y": y.detach(), "x_grad": x.grad, "replicated": replicated, "experts": experts, "dispatched": dispatched},
+        Path(out_dir) / f"rank{rank}.pt",
+    )
+
+
+@pytest.mark.parametrize("case", ["all_noop", "empty"])
+@pytest.mark.parametrize("kind", ["moe", "integrated"])
+def test_rank_with_nothing_to_dispatch_does_not_hang(kind, case, tmp_path):
+    run_workers(starving_worker, 2, kind, case, str(tmp_path))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert got[1]["dispatched"] == 0 < got[0]["dispatched"]  # the scenario holds
+    # Each rank's result equals running the layer on that rank's input alone, single process
+    # (its losses are per rank), and the gradients sum over the ranks.
+    layer = starving_layer(kind)
+    for rank, x in enumerate(starving_inputs(kind, case)):
+        x = x.clone().requires_grad_(True)
+        y = layer(x)
+        loss = (y * y).sum() + sum(v for m in layer.modules() for v in getattr(m, "aux_losses", {}).values())
+        loss.backward()
+        assert torch.isfinite(loss)
+        torch.testing.assert_close(got[rank]["y"], y.detach(), **TOL)
+        torch.testing.assert_close(got[rank]["x_grad"], x.grad, **TOL)
+    params = dict(layer.named_parameters())
+    for name, grad in got[0]["replicated"].items():
+        torch.testing.assert_close(grad, params[name].grad, **TOL, msg=name)
+    for rank in range(2):
+        for name, grad in got[rank]["experts"].items():
+            full = params[name].grad[rank * E // 2 : (rank + 1) * E // 2]
+            torch.testing.assert_close(grad, full, **TOL, msg=name)

@@ -62,3 +62,32 @@ def test_print_flops_lists_every_preset(capsys):
         if name != "base":
             assert name in out
     assert "active params" in out
+
+
+def _records(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_continues_the_time_budget_and_its_schedule(tmp_path):
+    """A preempted time-budgeted run resumes with the time it already spent: the learning
+    rate continues from where it was (no jump back to the peak), and a run whose budget is
+    spent trains no further step when resumed."""
+    from mode.train import lr_at
+
+    base = TINY + ["train.steps=100000", "train.warmup_steps=1", "train.eval_every=100000", f"train.out_dir={tmp_path}"]
+    cfg = load_config("dense", base + ["train.max_seconds=600"])
+    train(cfg, stop_at=4)
+    _, resumed = train(load_config("dense", base + ["train.max_seconds=600", "train.resume=true"]), stop_at=5)
+    assert resumed.steps == 5
+    before, after = _records(tmp_path)[3], _records(tmp_path)[4]
+    assert (before["step"], after["step"]) == (4, 5)
+    assert after["elapsed"] > before["elapsed"]
+    # Step 5's rate is the schedule at the time spent before it, not at a restarted clock.
+    assert after["lr"] == lr_at(4, cfg.train, before["elapsed"])
+    assert after["lr"] < before["lr"]
+
+    spent = load_config("dense", base + ["train.max_seconds=0.5"])
+    _, first = train(spent)
+    assert 0 < first.steps < 100000
+    _, again = train(load_config("dense", base + ["train.max_seconds=0.5", "train.resume=true"]))
+    assert again.steps == first.steps

@@ -176,8 +176,9 @@ def combine(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch
     assignments not in the dispatch (dropped, no-op) contribute zero.
     """
     N, K = weights.shape
-    if dispatch.order.numel() == 0:
-        return y.new_zeros(N, y.shape[-1]) + 0 * weights.sum()  # keeps the graph to the router
+    # NOTE: no shortcut when nothing was dispatched (M = 0): the output must stay connected to
+    # y, whose backward is an all-to-all under expert parallelism that every rank must join
+    # (a rank returning detached zeros would skip it while the others wait: a hang).
     w = weights.reshape(-1)
     if dispatch.assignment.numel() < N * K:
         w = w.index_select(0, dispatch.assignment)

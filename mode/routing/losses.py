@@ -36,13 +36,13 @@ def load_balance_loss(probs: torch.Tensor, experts: torch.Tensor, target: torch.
         0, experts.reshape(-1), torch.ones(experts.numel(), device=probs.device)
     )
     f = counts / max(1, experts.numel())
-    P = probs.float().mean(dim=0)
+    P = probs.float().sum(dim=0) / max(1, probs.shape[0])  # an empty batch gives 0, not NaN
     return (f * P / target).sum()
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: ``mean(logsumexp(logits)^2)`` over tokens. logits: [N, E]."""
-    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+    """ST-MoE router z-loss: ``mean(logsumexp(logits)^2)`` over tokens (0 for N = 0). logits: [N, E]."""
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).sum() / max(1, logits.shape[0])
 
 
 def expert_load(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
