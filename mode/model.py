@@ -22,6 +22,7 @@ from mode.layers.blocks import (
     check_routing,
 )
 from mode.layers.kv_cache import KVCache
+from mode.routed import check_causal, non_causal_layers
 
 
 def build_moe(cfg: ModelConfig, capacity: bool = False, n_noop: int = 0) -> MoELayer:
@@ -125,6 +126,8 @@ class MoDETransformer(nn.Module):
         extrapolation: the model was trained on ``seq_len``.
         """
         check_routing(routing)
+        if routing == "causal" or caches is not None:
+            check_causal(self, "routing='causal'" if caches is None else "a KV cache")
         B, T = idx.shape
         positions = torch.arange(T, device=idx.device).expand(B, T)
         x = self.tok_emb(idx)
@@ -152,8 +155,9 @@ class MoDETransformer(nn.Module):
         return self.lm_head(self.norm(x))[:, -1]
 
     def supports_causal(self) -> bool:
-        """True when every routed block can decide per token (so KV-cache sampling is exact)."""
-        return all(getattr(b, "causal", "none") != "none" for b in self.blocks if isinstance(b, MoDBlock))
+        """True when every routed module decides per token (its ``non_causal_reason`` is None),
+        so ``routing="causal"`` and KV-cache sampling are exact."""
+        return not non_causal_layers(self)
 
     @torch.no_grad()
     def generate(
@@ -166,12 +170,17 @@ class MoDETransformer(nn.Module):
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``idx`` ([B, T0]) -> [B, T0 + max_new_tokens].
 
-        With a KV cache (default when every MoD block has a causal method, or there are none),
-        routing is causal and a skipped token writes no cache entry. Without it, each step
-        re-runs the top-k forward on the last ``seq_len`` tokens.
+        With a KV cache (default when every routed module decides per token, see
+        ``supports_causal``), routing is causal and a skipped token writes no cache entry.
+        Without it (the exact fallback for every other model: a MoD block without a causal
+        method, a capacity MoE, expert-choice experts), each step re-runs the model's own
+        top-k forward on the last ``seq_len`` tokens. ``use_cache=True`` on a model that
+        cannot decide per token raises ``ValueError`` naming the layers.
         """
         if use_cache is None:
             use_cache = self.supports_causal()
+        elif use_cache:
+            check_causal(self, "generate(use_cache=True)")
         if not use_cache:
             for _ in range(max_new_tokens):
                 logits, _ = self(idx[:, -self.cfg.seq_len :])

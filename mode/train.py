@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mode.aux import aux_loss, routing_metrics
 from mode.config import Config, ModelConfig, TrainConfig, from_dict, load_config, preset_names, to_dict
 from mode.data import TokenSplit, load_splits
 from mode.flops import train_flops_per_step
@@ -38,6 +37,7 @@ from mode.parallel.expert_parallel import (
     wrap_data_parallel,
 )
 from mode.parallel.mesh import ParallelContext, destroy, init_mesh
+from mode.routed import aux_loss, routing_metrics
 
 
 def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:

@@ -315,3 +315,54 @@ def test_kv_cache_records_scores_past_its_first_allocation():
     cache.record_scores(second)
     assert torch.equal(cache.scores_seen(), torch.cat([first, second], dim=1))
     assert cache.nbytes_used() == 2 * 80 * 4  # no KV entries yet: the scores alone
+
+
+NON_CAUSAL = {
+    "moe_capacity": ("blocks.1.mlp", "capacity MoE", []),
+    "expert_choice": ("blocks.1.mlp", "expert-choice", ["model.moe.router=expert_choice"]),
+    "mod_none": ("blocks.1", "model.mod.causal", []),
+}
+
+
+def small_lm(layout: str, extra: list[str]) -> MoDETransformer:
+    torch.manual_seed(0)
+    cfg = load_config(
+        None,
+        ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.seq_len=32", f"model.layout=dense,{layout}"]
+        + extra,
+    ).model
+    return MoDETransformer(cfg).eval()
+
+
+@pytest.mark.parametrize("case", list(NON_CAUSAL))
+def test_layers_that_look_at_the_batch_refuse_causal_routing_and_generate_falls_back_exactly(case):
+    name, words, extra = NON_CAUSAL[case]
+    layout = {"moe_capacity": "moe_capacity", "expert_choice": "moe", "mod_none": "mod"}[case]
+    model = small_lm(layout, extra)
+    assert not model.supports_causal()
+    idx = torch.randint(0, 256, (1, 8))
+    with pytest.raises(ValueError, match=words) as err:
+        model(idx, routing="causal")
+    assert name in str(err.value)
+    with pytest.raises(ValueError, match=name):
+        model.generate(idx, 2, use_cache=True)
+    # The default is the exact fallback: the model's own top-k forward at every step.
+    out = model.generate(idx, 4, temperature=0)
+    ref = idx
+    for _ in range(4):
+        ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref)
+
+
+def test_token_choice_dropless_moe_decides_per_token_and_uses_the_cache():
+    model = small_lm("mode_staged", ["model.mod.causal=predictor", "model.moe.n_experts=4"])
+    assert model.supports_causal()
+    assert [m.non_causal_reason() for m in model.modules() if isinstance(m, mode.DroplessMoE)] == [None]
+    out = model.generate(torch.randint(0, 256, (1, 4)), 3, temperature=0)
+    assert out.shape == (1, 7)
+
+
+def test_printing_a_model_shows_the_routing_settings():
+    text = repr(small_lm("mode_staged", ["model.mod.causal=predictor", "model.moe.n_experts=4"]))
+    assert "capacity=0.125, gate='sigmoid', causal='predictor'" in text
+    assert "n_experts=4, top_k=2, router='token_choice'" in text

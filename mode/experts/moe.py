@@ -3,7 +3,7 @@
 
 Both have the same parameters, so one checkpoint loads in either. ``forward(x [..., D]) ->
 [..., D]``; auxiliary losses and metrics of the last forward stay on the module (see
-``mode.aux``). No-op experts (``n_noop``) output zero and cost no GEMM: the integrated MoDE
+``mode.routed``). No-op experts (``n_noop``) output zero and cost no GEMM: the integrated MoDE
 block uses them.
 
 Legend: N tokens, D model dim, F expert hidden, E real experts, E0 = E + n_noop router
@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mode.aux import Routed
 from mode.experts.mlp import ExpertMLP
 from mode.experts.permute import Dispatch, combine, permute, sort_by_expert, sorted_weights, unpermute
+from mode.routed import Routed
 from mode.routing.losses import (
     expert_load,
     load_balance_loss,
@@ -120,6 +120,25 @@ class MoELayer(Routed):
         self.register_buffer("_load_sum", torch.zeros(n_experts + n_noop), persistent=False)
         self.dispatcher: Dispatcher = local_dispatch
 
+    def non_causal_reason(self) -> str | None:
+        if self.router_kind == "expert_choice":
+            return (
+                "expert-choice experts pick their tokens among the whole batch: use "
+                "router='token_choice' (config: model.moe.router), or sample without the cache "
+                "(generate(use_cache=False))"
+            )
+        return None
+
+    def extra_repr(self) -> str:
+        parts = [f"n_experts={self.n_experts}", f"top_k={self.top_k}", f"router={self.router_kind!r}"]
+        if self.n_noop:
+            parts.append(f"n_noop={self.n_noop}")
+        if self.router_kind == "expert_choice" or isinstance(self, CapacityMoE):
+            parts.append(f"capacity_factor={self.capacity_factor}")
+        if isinstance(self, CapacityMoE):
+            parts.append(f"drop_policy={self.drop_policy!r}")
+        return ", ".join(parts)
+
     # -- routing -----------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, D] -> [N, E0] float32 (with input jitter in training)."""
@@ -217,6 +236,13 @@ class CapacityMoE(MoELayer):
 
     def capacity(self, n_tokens: int) -> int:
         return expert_capacity(n_tokens, self.top_k, self.n_experts, self.capacity_factor)
+
+    def non_causal_reason(self) -> str | None:
+        return (
+            "a capacity MoE drops assignments by their rank in the whole batch: use the dropless "
+            "MoE (layout 'moe' instead of 'moe_capacity'), or sample without the cache "
+            "(generate(use_cache=False))"
+        )
 
     def _compute(self, x2: torch.Tensor, choice: TokenChoice) -> torch.Tensor:
         N, D = x2.shape

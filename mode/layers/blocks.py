@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mode.aux import Routed
 from mode.config import CAUSAL_METHODS
 from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.kv_cache import KVCache
 from mode.layers.mlp import MLP
 from mode.layers.predictor import RoutingPredictor
+from mode.routed import Routed
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
 from mode.routing.expert_choice import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
 
@@ -143,6 +143,17 @@ class MoDBlock(Routed):
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return self.block.new_cache(batch, dtype, device)
 
+    def non_causal_reason(self) -> str | None:
+        if self.causal != "none":
+            return None
+        return (
+            "a MoD block with causal='none' picks its top-k over the whole sequence: build it with "
+            "causal='router_bce' or causal='predictor' (config: model.mod.causal)"
+        )
+
+    def extra_repr(self) -> str:
+        return f"capacity={self.capacity}, gate={self.gate!r}, causal={self.causal!r}"
+
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T] router scores in at least float32 (bf16 ties are common)."""
         scores = self.router(x).squeeze(-1)
@@ -152,10 +163,7 @@ class MoDBlock(Routed):
         """Per-token routing logit used in causal mode (x: [B, T, D], a sequence from its first
         token -> [B, T]); routed when > 0. ``scores`` = ``router_logits(x)`` if already known."""
         if self.causal == "none":
-            raise ValueError(
-                "routing='causal' needs a causal decision method: build the MoD block with "
-                "causal='router_bce' or causal='predictor' (config: model.mod.causal)"
-            )
+            raise ValueError(f"routing='causal' needs a causal decision method: {self.non_causal_reason()}")
         scores = self.router_logits(x) if scores is None else scores
         return self.predictor(x, scores) if self.predictor is not None else scores
 

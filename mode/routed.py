@@ -30,6 +30,31 @@ class Routed(nn.Module):
         self.aux_losses = {}
         self.metrics = {}
 
+    def non_causal_reason(self) -> str | None:
+        """The causal contract: None when this module's routing decision for a token depends
+        only on that token and earlier ones (so ``routing="causal"`` and KV-cache decoding are
+        exact), else why not and what to do instead. Every routed module must state it."""
+        raise NotImplementedError(f"{type(self).__name__} does not state its causal contract")
+
+
+def non_causal_layers(model: nn.Module) -> dict[str, str]:
+    """``{module path: reason}`` of every routed module in ``model`` that cannot decide per token."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Routed):
+            reason = m.non_causal_reason()
+            if reason is not None:
+                out[name or type(m).__name__] = reason
+    return out
+
+
+def check_causal(model: nn.Module, what: str = "routing='causal'") -> None:
+    """``ValueError`` naming each routed layer of ``model`` that cannot decide per token."""
+    layers = non_causal_layers(model)
+    if layers:
+        lines = "; ".join(f"{name}: {reason}" for name, reason in layers.items())
+        raise ValueError(f"{what} needs every routed layer to decide per token, and these cannot: {lines}")
+
 
 def aux_loss(model: nn.Module) -> torch.Tensor:
     """Sum of every routed module's weighted auxiliary losses from its last forward (a 0-dim
