@@ -49,7 +49,8 @@ from common import (  # noqa: E402
 
 from mode.config import load_config  # noqa: E402
 from mode.flops import block_flops  # noqa: E402
-from mode.layers.blocks import DenseBlock, MoDBlock  # noqa: E402
+from mode.layers.blocks import DenseBlock  # noqa: E402
+from mode.layers.mod import MoDBlock  # noqa: E402
 from mode.routing.expert_choice import capacity_to_k  # noqa: E402
 
 

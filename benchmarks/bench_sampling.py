@@ -30,7 +30,7 @@ from common import RESULTS_DIR, add_compare_option, load_run, print_comparison, 
 
 from mode.config import load_config  # noqa: E402
 from mode.data import load_splits  # noqa: E402
-from mode.layers.blocks import MoDBlock  # noqa: E402
+from mode.layers.mod import MoDBlock  # noqa: E402
 from mode.model import MoDETransformer  # noqa: E402
 from mode.routing.expert_choice import expert_choice_topk  # noqa: E402
 from mode.train import checkpoint_config, evaluate, load_checkpoint, train  # noqa: E402

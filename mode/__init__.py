@@ -1,8 +1,9 @@
 """mode-moe: Mixture-of-Depths-and-Experts layers and models for PyTorch (import name ``mode``)."""
 
 from mode.config import Config, load_config
-from mode.experts.moe import CapacityMoE, DroplessMoE
-from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoDBlock, MoEBlock, StagedMoDEBlock
+from mode.experts.moe import CapacityMoE, DroplessMoE, ExpertChoiceMoE
+from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoEBlock
+from mode.layers.mod import MoDBlock, StagedMoDEBlock
 from mode.model import MoDETransformer
 from mode.routed import aux_loss, routing_metrics
 
@@ -13,6 +14,7 @@ __all__ = [
     "Config",
     "DenseBlock",
     "DroplessMoE",
+    "ExpertChoiceMoE",
     "IntegratedMoDEBlock",
     "MoDBlock",
     "MoEBlock",

@@ -11,47 +11,37 @@ to the builders.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+from mode.checks import ConfigError, check_choice, check_int, check_positive, check_range, closest, fail
+from mode.experts.moe import check_moe_args, expert_width
+from mode.layers.kinds import BLOCK_KINDS
+from mode.layers.mod import check_mod_args
+from mode.routing.token_choice import MOE_ROUTERS
 
-BLOCK_KINDS = ("dense", "mod", "moe", "moe_capacity", "mode_staged", "mode_integrated")
-GATES = ("sigmoid", "identity", "none")
-CAUSAL_METHODS = ("none", "router_bce", "predictor")
-MLP_KINDS = ("gelu", "swiglu")
-DROP_POLICIES = ("position", "probs")
-MOE_ROUTERS = ("token_choice", "expert_choice")
-LB_SCOPES = ("batch", "sequence")
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "ParallelConfig",
+    "RoutingConfig",
+    "TrainConfig",
+    "from_dict",
+    "load_config",
+    "preset_names",
+    "to_dict",
+    "to_yaml",
+]
 
-
-class ConfigError(ValueError):
-    """An invalid config value; the message names the field, the value and what is allowed."""
-
-
-def _fail(name: str, value: object, allowed: str) -> None:
-    raise ConfigError(f"{name}={value!r} is invalid: {allowed}")
-
-
-def _check_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
-    ok = (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok or (isinstance(value, float) and math.isnan(value)):
-        bracket = "(" if lo_open else "["
-        _fail(name, value, f"must be in {bracket}{lo}, {hi}]")
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        _fail(name, value, f"choose one of {list(choices)}")
-
-
-def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        _fail(name, value, "must be >= 0" if allow_zero else "must be > 0")
+# The presets ship inside the package, so they load from a plain (non-editable) install.
+PRESETS = resources.files("mode") / "configs"
 
 
 @dataclass
@@ -74,11 +64,7 @@ class RoutingConfig:
     predictor_hidden: int = 64
 
     def __post_init__(self) -> None:
-        _check_range("model.mod.capacity", self.capacity, 0.0, 1.0)
-        _check_choice("model.mod.gate", self.gate, GATES)
-        _check_choice("model.mod.causal", self.causal, CAUSAL_METHODS)
-        _check_positive("model.mod.causal_coef", self.causal_coef, allow_zero=True)
-        _check_positive("model.mod.predictor_hidden", self.predictor_hidden)
+        check_mod_args(**vars(self), prefix="model.mod.")
 
 
 @dataclass
@@ -111,25 +97,12 @@ class MoEConfig:
     bias_rate: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_positive("model.moe.n_experts", self.n_experts)
-        if not 1 <= self.top_k <= self.n_experts + self.n_noop:
-            _fail("model.moe.top_k", self.top_k, f"must be in [1, n_experts + n_noop = {self.n_experts + self.n_noop}]")
-        _check_positive("model.moe.d_ff", self.d_ff, allow_zero=True)
-        _check_choice("model.moe.mlp", self.mlp, MLP_KINDS)
-        _check_choice("model.moe.router", self.router, MOE_ROUTERS)
-        _check_positive("model.moe.jitter", self.jitter, allow_zero=True)
-        _check_positive("model.moe.capacity_factor", self.capacity_factor)
-        _check_choice("model.moe.drop_policy", self.drop_policy, DROP_POLICIES)
-        _check_positive("model.moe.n_noop", self.n_noop, allow_zero=True)
-        _check_range("model.moe.noop_share", self.noop_share, 0.0, 1.0)
-        _check_positive("model.moe.lb_coef", self.lb_coef, allow_zero=True)
-        _check_choice("model.moe.lb_scope", self.lb_scope, LB_SCOPES)
-        _check_positive("model.moe.z_coef", self.z_coef, allow_zero=True)
-        _check_positive("model.moe.bias_rate", self.bias_rate, allow_zero=True)
-        # Imported lazily: experts -> config would be fine, config -> experts at import is not.
-        from mode.experts.grouped_gemm import BACKEND_NAMES
-
-        _check_choice("model.moe.backend", self.backend, (*BACKEND_NAMES, "auto"))
+        check_moe_args(**vars(self), prefix="model.moe.")
+        check_int("model.moe.d_ff", self.d_ff)
+        check_positive("model.moe.d_ff", self.d_ff, allow_zero=True)
+        check_choice("model.moe.router", self.router, MOE_ROUTERS)
+        if self.router == "expert_choice" and self.n_noop:
+            fail("model.moe.n_noop", self.n_noop, "expert-choice experts take no no-op experts: use 0")
 
 
 @dataclass
@@ -151,27 +124,29 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
-            _check_positive(f"model.{name}", getattr(self, name))
+            check_positive(f"model.{name}", getattr(self, name))
         if self.d_model % self.n_heads:
-            _fail("model.d_model", self.d_model, f"must be divisible by n_heads={self.n_heads}")
+            fail("model.d_model", self.d_model, f"must be divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
-            _fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even for RoPE")
+            fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even for RoPE")
         self.block_kinds()  # validates the layout
 
     def expert_d_ff(self) -> int:
         """Per-expert hidden size: ``moe.d_ff``, or ``mlp_ratio * d_model // top_k`` so that a
         token's active expert FLOPs match the dense MLP."""
-        return self.moe.d_ff or max(1, self.mlp_ratio * self.d_model // self.moe.top_k)
+        return self.moe.d_ff or expert_width(self.d_model, self.moe.top_k, self.mlp_ratio)
 
     def block_kinds(self) -> list[str]:
         """The per-layer block kinds, the layout pattern tiled to n_layers."""
         pattern = [p for p in self.layout.replace(",", " ").split() if p]
         if not pattern:
-            _fail("model.layout", self.layout, f"give a pattern of {list(BLOCK_KINDS)}")
+            fail("model.layout", self.layout, f"give a pattern of {list(BLOCK_KINDS)}")
         for p in pattern:
-            _check_choice("model.layout", p, BLOCK_KINDS)
+            if p not in BLOCK_KINDS:
+                hint = closest(p, BLOCK_KINDS)
+                fail("model.layout", self.layout, f"{p!r} is not a block kind: choose from {list(BLOCK_KINDS)}{hint}")
         if self.n_layers % len(pattern):
-            _fail("model.layout", self.layout, f"pattern length must divide n_layers={self.n_layers}")
+            fail("model.layout", self.layout, f"pattern length must divide n_layers={self.n_layers}")
         return pattern * (self.n_layers // len(pattern))
 
 
@@ -185,7 +160,7 @@ class DataConfig:
     val_fraction: float = 0.05
 
     def __post_init__(self) -> None:
-        _check_range("data.val_fraction", self.val_fraction, 0.0, 0.5, lo_open=True)
+        check_range("data.val_fraction", self.val_fraction, 0.0, 0.5, lo_open=True)
 
 
 @dataclass
@@ -210,20 +185,20 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _check_positive("train.steps", self.steps)
-        _check_positive("train.max_seconds", self.max_seconds, allow_zero=True)
-        _check_positive("train.batch_size", self.batch_size)
-        _check_positive("train.lr", self.lr)
-        _check_positive("train.min_lr", self.min_lr, allow_zero=True)
+        check_positive("train.steps", self.steps)
+        check_positive("train.max_seconds", self.max_seconds, allow_zero=True)
+        check_positive("train.batch_size", self.batch_size)
+        check_positive("train.lr", self.lr)
+        check_positive("train.min_lr", self.min_lr, allow_zero=True)
         if self.min_lr > self.lr:
-            _fail("train.min_lr", self.min_lr, f"must be <= train.lr={self.lr}")
-        _check_positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
-        _check_positive("train.weight_decay", self.weight_decay, allow_zero=True)
-        _check_positive("train.grad_clip", self.grad_clip, allow_zero=True)
-        _check_positive("train.eval_every", self.eval_every)
-        _check_positive("train.eval_batches", self.eval_batches)
-        _check_positive("train.log_every", self.log_every)
-        _check_positive("train.ckpt_every", self.ckpt_every, allow_zero=True)
+            fail("train.min_lr", self.min_lr, f"must be <= train.lr={self.lr}")
+        check_positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        check_positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        check_positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        check_positive("train.eval_every", self.eval_every)
+        check_positive("train.eval_batches", self.eval_batches)
+        check_positive("train.log_every", self.log_every)
+        check_positive("train.ckpt_every", self.ckpt_every, allow_zero=True)
 
 
 @dataclass
@@ -232,8 +207,8 @@ class ParallelConfig:
     ep_size: int = 1
 
     def __post_init__(self) -> None:
-        _check_positive("parallel.dp_size", self.dp_size)
-        _check_positive("parallel.ep_size", self.ep_size)
+        check_positive("parallel.dp_size", self.dp_size)
+        check_positive("parallel.ep_size", self.ep_size)
 
 
 @dataclass
@@ -247,7 +222,7 @@ class Config:
     def __post_init__(self) -> None:
         if self.model.n_layers and self.parallel.ep_size > 1:
             if self.model.moe.n_experts % self.parallel.ep_size:
-                _fail(
+                fail(
                     "parallel.ep_size",
                     self.parallel.ep_size,
                     f"model.moe.n_experts={self.model.moe.n_experts} must be divisible by it",
@@ -255,28 +230,30 @@ class Config:
 
 
 def preset_names() -> list[str]:
-    """Names of the YAML presets shipped in ``configs/``."""
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    """Names of the YAML presets shipped in the package (``mode/configs``)."""
+    return sorted(p.name.removesuffix(".yaml") for p in PRESETS.iterdir() if p.name.endswith(".yaml"))
 
 
-def _resolve(preset: str | Path) -> Path:
+def _resolve(preset: str | Path) -> tuple[str, str]:
+    """(name, YAML text) of a preset name or a YAML path."""
     path = Path(preset)
     if path.suffix in (".yaml", ".yml") and path.exists():
-        return path
-    candidate = CONFIG_DIR / f"{preset}.yaml"
-    if candidate.exists():
-        return candidate
-    raise FileNotFoundError(f"no config {str(preset)!r}: give a YAML path or one of {preset_names()}")
+        return str(path.resolve()), path.read_text()
+    candidate = PRESETS / f"{preset}.yaml"
+    if candidate.is_file():
+        return str(preset), candidate.read_text()
+    names = preset_names()
+    raise FileNotFoundError(f"no config {str(preset)!r}: give a YAML path or one of {names}{closest(preset, names)}")
 
 
-def _preset_layers(preset: str | Path, seen: tuple[Path, ...] = ()) -> list:
+def _preset_layers(preset: str | Path, seen: tuple[str, ...] = ()) -> list:
     """A preset's YAML, preceded by the presets it names under ``base:`` (recursively)."""
-    path = _resolve(preset)
-    if path in seen:
-        raise ValueError(f"base: presets form a cycle through {path.name}")
-    node = OmegaConf.load(path)
+    name, text = _resolve(preset)
+    if name in seen:
+        raise ValueError(f"base: presets form a cycle through {name}")
+    node = OmegaConf.create(text)
     base = node.pop("base", None)
-    return ([*_preset_layers(base, (*seen, path))] if base else []) + [node]
+    return ([*_preset_layers(base, (*seen, name))] if base else []) + [node]
 
 
 def load_config(preset: str | Path | None = None, overrides: list[str] | None = None) -> Config:

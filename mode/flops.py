@@ -1,70 +1,42 @@
-"""Analytic forward FLOPs (2 per multiply-add, matmuls only, as ``FlopCounterMode`` counts).
+"""Analytic FLOPs (2 per multiply-add, matmuls only, as ``FlopCounterMode`` counts) and
+parameter counts.
 
-Counts per sequence of T tokens. Attention scores cost 2*n^2*D (QK^T) + 2*n^2*D (AV) over the
-n tokens a block actually attends (n = k for a MoD block: k^2, not T^2), the full score matrix
-as ``FlopCounterMode`` counts it; ``masked=False`` counts only the n(n+1)/2 query-key pairs that
-causal attention keeps, which is closer to what a flash kernel computes. MoE layers count
-only computed assignments (dropless) or their padded buffers (capacity MoE). A training
-step costs about 3x the forward (backward = 2x forward).
+Each block kind's forward FLOPs live in the table of block kinds (``mode.layers.kinds``),
+composed from the formulas beside the modules that compute them (``attention_flops``,
+``mlp_flops``, ``moe_flops``). Counts are per sequence of T tokens. Attention over the n
+tokens a block attends costs 4 n^2 D for scores and values (n = k for a MoD block: k^2, not
+T^2), the full score matrix as ``FlopCounterMode`` counts it; ``masked=False`` counts only
+the n(n+1)/2 query-key pairs that causal attention keeps. MoE layers count only computed
+assignments (dropless) or their padded buffers (capacity MoE). A training step costs about
+3x the forward (backward = 2x forward).
 """
 
 from __future__ import annotations
 
-from mode.config import ModelConfig
-from mode.routing.expert_choice import capacity_to_k
-from mode.routing.token_choice import expert_capacity
+from torch import nn
 
+from mode.config import Config, ModelConfig
+from mode.experts.mlp import mlp_flops
+from mode.experts.moe import moe_flops
+from mode.layers.attention import attention_flops
+from mode.layers.kinds import block_kind
+from mode.model import MoDETransformer
 
-def attention_flops(n: int, d: int, masked: bool = True) -> int:
-    """QKV + output projections (8 n D^2) and scores/values over n tokens: 4 n^2 D with the
-    causal mask's masked half counted (``masked=True``, as ``FlopCounterMode``), else 2 n (n+1) D."""
-    scores = 4 * n * n * d if masked else 2 * n * (n + 1) * d
-    return 8 * n * d * d + scores
-
-
-def mlp_flops(n: int, d: int, d_ff: int, kind: str = "gelu") -> int:
-    """A 2-layer MLP (4 n D F) or SwiGLU (6 n D F) on n tokens."""
-    return (6 if kind == "swiglu" else 4) * n * d * d_ff
-
-
-def moe_flops(n: int, cfg: ModelConfig, kind: str = "moe", real_share: float = 1.0, n_noop: int = 0) -> int:
-    """Router over E (+ no-op) experts, plus expert GEMMs on n tokens.
-
-    kind "moe": dropless, n*top_k*real_share assignments; "moe_capacity": E padded buffers.
-    """
-    m, d = cfg.moe, cfg.d_model
-    f = cfg.expert_d_ff()
-    router = 2 * n * d * (m.n_experts + n_noop)
-    if kind == "moe_capacity":
-        rows = m.n_experts * expert_capacity(n, m.top_k, m.n_experts, m.capacity_factor)
-    else:
-        rows = round(n * m.top_k * real_share)
-    shared = mlp_flops(n, d, f, m.mlp) if m.shared_expert else 0
-    return router + mlp_flops(rows, d, f, m.mlp) + shared
+__all__ = [
+    "active_params",
+    "attention_flops",
+    "block_flops",
+    "mlp_flops",
+    "model_flops",
+    "moe_flops",
+    "print_flops",
+    "train_flops_per_step",
+]
 
 
 def block_flops(kind: str, cfg: ModelConfig, seq_len: int | None = None, masked: bool = True) -> int:
     """Forward FLOPs of one block of ``kind`` on one sequence (``masked``: see ``attention_flops``)."""
-    T = seq_len or cfg.seq_len
-    d = cfg.d_model
-    if kind == "dense":
-        return attention_flops(T, d, masked) + mlp_flops(T, d, cfg.mlp_ratio * d)
-    if kind in ("mod", "mode_staged"):
-        k = capacity_to_k(cfg.mod.capacity, T)
-        router = 2 * T * d
-        if cfg.mod.causal == "predictor":  # the routing predictor runs on every token
-            router += 2 * T * cfg.mod.predictor_hidden * (d + 1)
-        inner = mlp_flops(k, d, cfg.mlp_ratio * d) if kind == "mod" else moe_flops(k, cfg)
-        return router + attention_flops(k, d, masked) + (inner if k else 0)
-    if kind in ("moe", "moe_capacity"):
-        return attention_flops(T, d, masked) + moe_flops(T, cfg, kind)
-    if kind == "mode_integrated":
-        m = cfg.moe
-        # Expected share of assignments that reach a real expert: the balance loss targets
-        # ``noop_share`` of assignments on the no-op experts.
-        real_share = 1.0 - (m.noop_share if m.n_noop else 0.0)
-        return attention_flops(T, d, masked) + moe_flops(T, cfg, "moe", real_share, m.n_noop)
-    raise ValueError(f"unknown block kind {kind!r}")
+    return block_kind(kind).flops(cfg, seq_len or cfg.seq_len, masked)
 
 
 def model_flops(cfg: ModelConfig, seq_len: int | None = None) -> int:
@@ -77,3 +49,26 @@ def model_flops(cfg: ModelConfig, seq_len: int | None = None) -> int:
 def train_flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> int:
     """Forward + backward FLOPs of one optimizer step (3x forward)."""
     return 3 * batch_size * model_flops(cfg, seq_len)
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters a token touches on average: expert weights count ``active_share()`` of their
+    size (top_k / E, less the no-op share); tied weights count once."""
+    total, seen = 0, set()
+    for module in model.modules():
+        share = getattr(module, "active_share", None)
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        n = sum(p.numel() for p in own)
+        total += round(n * share()) if callable(share) else n
+    return total
+
+
+def print_flops(cfgs: list[Config]) -> None:
+    """Parameters, active parameters and FLOPs per token of each config's model, as a table."""
+    print(f"{'variant':<18}{'params':>13}{'active params':>15}{'fwd FLOPs/token':>17}{'train GFLOP/step':>18}")
+    for cfg in cfgs:
+        model = MoDETransformer(cfg.model)
+        per_token = model_flops(cfg.model) / cfg.model.seq_len
+        per_step = train_flops_per_step(cfg.model, cfg.train.batch_size) / 1e9
+        print(f"{cfg.name:<18}{model.num_params():>13,}{active_params(model):>15,}{per_token:>17,.0f}{per_step:>18.1f}")

@@ -12,71 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mode.config import ModelConfig
-from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer
-from mode.layers.blocks import (
-    DenseBlock,
-    IntegratedMoDEBlock,
-    MoDBlock,
-    MoEBlock,
-    StagedMoDEBlock,
-    check_routing,
-)
+from mode.layers.blocks import check_routing
+from mode.layers.kinds import build_block
 from mode.layers.kv_cache import KVCache
 from mode.routed import check_causal, non_causal_layers
 
-
-def build_moe(cfg: ModelConfig, capacity: bool = False, n_noop: int = 0) -> MoELayer:
-    """The MoE layer described by ``cfg.moe`` (``CapacityMoE`` when ``capacity``)."""
-    m = cfg.moe
-    cls = CapacityMoE if capacity else DroplessMoE
-    return cls(
-        cfg.d_model,
-        cfg.expert_d_ff(),
-        m.n_experts,
-        m.top_k,
-        mlp=m.mlp,
-        backend=m.backend,
-        router=m.router,
-        renormalize=m.renormalize,
-        jitter=m.jitter,
-        capacity_factor=m.capacity_factor,
-        drop_policy=m.drop_policy,
-        shared_expert=m.shared_expert,
-        n_noop=n_noop,
-        noop_share=m.noop_share,
-        lb_coef=m.lb_coef,
-        lb_scope=m.lb_scope,
-        z_coef=m.z_coef,
-        bias_rate=m.bias_rate,
-    )
-
-
-def build_block(kind: str, cfg: ModelConfig) -> nn.Module:
-    """One block of the given layout kind, sized by ``cfg``.
-
-    "dense", "mod" (MoD around a dense block), "moe" (dropless), "moe_capacity",
-    "mode_staged" (MoD around an MoE block), "mode_integrated" (MoE with ``moe.n_noop``
-    no-op experts).
-    """
-    d, h, rope = cfg.d_model, cfg.n_heads, cfg.rope_base
-    if kind == "dense":
-        return DenseBlock(d, h, cfg.mlp_ratio, rope)
-    mod = {
-        "gate": cfg.mod.gate,
-        "rope_base": rope,
-        "causal": cfg.mod.causal,
-        "causal_coef": cfg.mod.causal_coef,
-        "predictor_hidden": cfg.mod.predictor_hidden,
-    }
-    if kind == "mod":
-        return MoDBlock(d, h, cfg.mod.capacity, cfg.mlp_ratio, **mod)
-    if kind in ("moe", "moe_capacity"):
-        return MoEBlock(d, h, build_moe(cfg, capacity=kind == "moe_capacity"), rope)
-    if kind == "mode_staged":
-        return StagedMoDEBlock(d, h, cfg.mod.capacity, moe=build_moe(cfg), **mod)
-    if kind == "mode_integrated":
-        return IntegratedMoDEBlock(d, h, moe=build_moe(cfg, n_noop=cfg.moe.n_noop), rope_base=rope)
-    raise ValueError(f"unknown block kind {kind!r}")
+__all__ = ["MoDETransformer", "build_block", "sample_next"]
 
 
 class MoDETransformer(nn.Module):

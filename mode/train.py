@@ -5,7 +5,7 @@ progress bar, metrics to ``<out_dir>/metrics.jsonl`` and checkpoint + resume
 (``<out_dir>/ckpt.pt``, written atomically).
 
     mode-train --config mod model.n_layers=8 train.steps=500
-    mode-train --config configs/moe.yaml --print-flops
+    mode-train --config path/to/my.yaml --print-flops
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from mode.config import Config, ModelConfig, TrainConfig, from_dict, load_config, preset_names, to_dict
 from mode.data import TokenSplit, load_splits
 from mode.flops import train_flops_per_step
-from mode.layers.blocks import MoDBlock
+from mode.layers.kinds import BLOCK_KINDS
+from mode.layers.mod import MoDBlock
 from mode.model import MoDETransformer
 from mode.parallel import checkpoint as sharded
 from mode.parallel.expert_parallel import (
@@ -239,7 +240,7 @@ def _init_parallel(cfg: Config) -> ParallelContext | None:
     p = cfg.parallel
     if world == 1 and p.dp_size * p.ep_size == 1:
         return None
-    has_moe = any(k in ("moe", "mode_staged", "mode_integrated", "moe_capacity") for k in cfg.model.block_kinds())
+    has_moe = any(BLOCK_KINDS[k].holds_experts for k in cfg.model.block_kinds())
     ctx = init_mesh(p.dp_size, p.ep_size, cfg.model.moe.n_experts if has_moe else None)
     if cfg.train.batch_size % ctx.world_size:
         raise ValueError(
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="mode-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", default=None, help="preset name in configs/ or a YAML path")
+    parser.add_argument("--config", default=None, help="preset name (mode/configs) or a YAML path")
     parser.add_argument(
         "--print-flops", action="store_true", help="print parameters and FLOPs (of every preset without --config)"
     )

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import mode
 from mode.config import load_config
-from mode.layers.blocks import MoDBlock
 from mode.layers.kv_cache import KVCache
+from mode.layers.mod import MoDBlock
 from mode.layers.predictor import RoutingPredictor
 from mode.model import MoDETransformer
 from mode.routing.causal import decision_metrics, membership_bce
@@ -365,4 +365,4 @@ def test_token_choice_dropless_moe_decides_per_token_and_uses_the_cache():
 def test_printing_a_model_shows_the_routing_settings():
     text = repr(small_lm("mode_staged", ["model.mod.causal=predictor", "model.moe.n_experts=4"]))
     assert "capacity=0.125, gate='sigmoid', causal='predictor'" in text
-    assert "n_experts=4, top_k=2, router='token_choice'" in text
+    assert "n_experts=4, top_k=2" in text and "backend='auto'" in text

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from mode.layers.attention import CausalSelfAttention
-from mode.layers.blocks import DenseBlock, MoDBlock
+from mode.layers.blocks import DenseBlock
+from mode.layers.mod import MoDBlock
 from tests.reference import attention_reference, mod_block_reference
 
 D, H = 32, 4

@@ -26,11 +26,18 @@ def test_staged_with_capacity_one_and_unit_gate_equals_moe_block():
 def test_skipping_tokens_never_reach_the_experts(top_k):
     staged = StagedMoDEBlock(D, H, capacity=0.25, n_experts=E, top_k=top_k)
     seen = []
+    experts = staged.block.mlp.experts
+    sorted_entry, scattered_entry = experts.forward_sorted, experts.forward_scattered
 
-    def count_rows(mod, args, kwargs):  # rows computed: sorted rows, or assignments in token order
-        seen.append(kwargs["token_idx"].numel() if kwargs.get("token_idx") is not None else args[0].shape[0])
+    def count_sorted(x, counts):  # rows computed: sorted rows, or assignments in token order
+        seen.append(x.shape[0])
+        return sorted_entry(x, counts)
 
-    staged.block.mlp.experts.register_forward_pre_hook(count_rows, with_kwargs=True)
+    def count_scattered(x, counts, token_idx, weights):
+        seen.append(token_idx.numel())
+        return scattered_entry(x, counts, token_idx, weights)
+
+    experts.forward_sorted, experts.forward_scattered = count_sorted, count_scattered
     B, T = 3, 16
     staged(torch.randn(B, T, D))
     assert seen == [B * 4 * top_k]  # k = 4 tokens per row, top_k experts each

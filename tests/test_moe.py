@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from mode.experts.chunked import chunked_experts
 from mode.experts.grouped_gemm import CHUNKED_MIN_BYTES, get_backend, gmm_loop, gmm_torch, resolve_name
-from mode.experts.moe import CapacityMoE, DroplessMoE
+from mode.experts.moe import CapacityMoE, DroplessMoE, ExpertChoiceMoE
 from mode.experts.permute import combine, permute, sort_by_expert, sorted_weights, unpermute
 from mode.layers.blocks import MoEBlock
 from mode.routing.token_choice import capacity_keep, expert_capacity
@@ -200,7 +200,7 @@ def test_permute_and_combine_gradcheck(keep_all):
 
 
 def test_expert_choice_router_matches_reference():
-    layer = make(router="expert_choice", capacity_factor=1.0)
+    layer = make(ExpertChoiceMoE, capacity_factor=1.0)
     x = torch.randn(N, D)
     probs = torch.softmax(layer.router(x).float(), dim=-1)
     C = expert_capacity(N, 2, E, 1.0)
@@ -236,8 +236,8 @@ def test_auto_backend_on_cpu_chooses_by_size():
     layer's output is the same either way."""
     layer = make()
     x = torch.randn(2, 8, D)
-    assert not layer.experts.runs_chunked(x.view(-1, D), rows=16)
-    assert layer.experts.runs_chunked(x.view(-1, D), rows=CHUNKED_MIN_BYTES // (D * 4))
+    assert not layer.experts.uses_scattered(x.view(-1, D), rows=16)
+    assert layer.experts.uses_scattered(x.view(-1, D), rows=CHUNKED_MIN_BYTES // (D * 4))
     chunked = make(backend="chunked")
     chunked.load_state_dict(layer.state_dict())
     torch.testing.assert_close(layer(x), chunked(x), **TOL)
@@ -248,7 +248,7 @@ def test_moe_block_torch_compile_chunked_backend():
     layer = make(backend="chunked")
     blk = MoEBlock(D, 4, layer)
     x = torch.randn(2, 8, D)
-    assert layer.experts.runs_chunked(x)
+    assert layer.experts.uses_scattered(x)
     torch.testing.assert_close(torch.compile(blk)(x), blk(x), **TOL)
 
 

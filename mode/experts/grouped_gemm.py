@@ -23,9 +23,12 @@ are multiplied by ``w[e]``. Backends:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
+
+from mode.checks import closest
 
 GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -119,8 +122,18 @@ def gmm_megablocks(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     return ops.gmm(x, w, counts.to("cpu", torch.int64), trans_b=False)
 
 
+BackendName = Literal["loop", "torch", "megablocks", "chunked"]
+BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
 BACKENDS: dict[str, GroupedGemm] = {"loop": gmm_loop, "torch": gmm_torch, "megablocks": gmm_megablocks}
-BACKEND_NAMES = (*BACKENDS, "chunked")
+# Which ``ExpertMLP`` entry point each backend implements: "sorted" (tokens already sorted by
+# expert, a grouped GEMM) or "scattered" (tokens in their own order with the dispatch: the
+# gather and the weighted combine fused into the expert loop).
+ENTRY_POINTS: dict[str, Literal["sorted", "scattered"]] = {
+    "loop": "sorted",
+    "torch": "sorted",
+    "megablocks": "sorted",
+    "chunked": "scattered",
+}
 _REASONS = {
     "loop": lambda *a: None,
     "torch": _torch_reason,
@@ -132,7 +145,8 @@ _REASONS = {
 def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, k: int = 64, m: int = 64) -> str | None:
     """Why backend ``name`` cannot run for these inputs, or None when it can."""
     if name not in BACKEND_NAMES:
-        raise ValueError(f"backend={name!r} is invalid: choose one of {[*BACKEND_NAMES, 'auto']}")
+        hint = closest(name, BACKEND_NAMES)
+        raise ValueError(f"backend={name!r} is invalid: choose one of {[*BACKEND_NAMES, 'auto']}{hint}")
     return _REASONS[name](torch.device(device), dtype, k, m)
 
 

@@ -1,29 +1,49 @@
-"""Expert MLP weights and their grouped computation.
+"""Expert MLP weights and their two entry points.
 
-Legend: M tokens in expert order, D model dim, F expert hidden dim, E experts.
+Legend: N tokens, M assignments (token rows in expert order), D model dim, F expert hidden
+dim, E experts.
+
+- ``forward_sorted(x_sorted [M, D], counts [E]) -> [M, D]``: rows already sorted by expert,
+  computed with a grouped GEMM backend (``loop``, ``torch``, ``megablocks``).
+- ``forward_scattered(x [N, D], counts, token_idx [M], weights [M]) -> [N, D]``: tokens in
+  their own order plus the dispatch; the gather and the weighted combine are fused into the
+  expert loop (backend ``chunked``).
+
+Each backend declares which one it implements (``grouped_gemm.ENTRY_POINTS``);
+``uses_scattered`` says which one this layer's backend resolves to for an input.
 """
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 from torch import nn
 
+from mode.checks import check_choice, check_int, fail
 from mode.experts.chunked import chunked_experts, expert_activation
-from mode.experts.grouped_gemm import get_backend, resolve_name
+from mode.experts.grouped_gemm import ENTRY_POINTS, get_backend, resolve_name
+
+MlpKind = Literal["gelu", "swiglu"]
+MLP_KINDS: tuple[str, ...] = get_args(MlpKind)
+
+
+def mlp_flops(n: int, d: int, d_ff: int, kind: MlpKind = "gelu") -> int:
+    """Forward FLOPs of a 2-layer MLP (4 n D F) or SwiGLU (6 n D F) on n tokens."""
+    return (6 if kind == "swiglu" else 4) * n * d * d_ff
 
 
 class ExpertMLP(nn.Module):
     """E independent MLPs: GELU (``w1 [E, D, F]``, ``w2 [E, F, D]``) or SwiGLU (``w1`` and
-    ``w3 [E, D, F]`` gate/up, ``w2`` down). ``forward(x [M, D], counts [E]) -> [M, D]`` with
-    rows of ``x`` sorted by expert (grouped GEMMs), or in token order with the gather and the
-    weighted combine fused in (see ``forward``)."""
+    ``w3 [E, D, F]`` gate/up, ``w2`` down). ``forward`` is ``forward_sorted``."""
 
-    def __init__(self, n_experts: int, d_model: int, d_ff: int, mlp: str = "gelu", backend: str = "auto") -> None:
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, mlp: MlpKind = "gelu", backend: str = "auto") -> None:
         super().__init__()
-        if mlp not in ("gelu", "swiglu"):
-            raise ValueError(f"mlp={mlp!r} is invalid: choose 'gelu' or 'swiglu'")
-        if min(n_experts, d_model, d_ff) <= 0:
-            raise ValueError(f"n_experts={n_experts}, d_model={d_model}, d_ff={d_ff} must all be > 0")
+        check_choice("mlp", mlp, MLP_KINDS)
+        for name, value in (("n_experts", n_experts), ("d_model", d_model), ("d_ff", d_ff)):
+            check_int(name, value)
+            if value <= 0:
+                fail(name, value, "must be > 0")
         self.mlp = mlp
         self.backend = backend
         self.active_fraction = 1.0  # share of these weights a token uses (set by the MoE layer)
@@ -34,45 +54,41 @@ class ExpertMLP(nn.Module):
             if w is not None:
                 nn.init.normal_(w, std=0.02)
 
+    def extra_repr(self) -> str:
+        E, D, F = self.w1.shape
+        return f"experts={E}, d_model={D}, d_ff={F}, mlp={self.mlp!r}, backend={self.backend!r}"
+
     def active_share(self) -> float:
         """Share of the expert weights an average token touches (for active-parameter counts)."""
         return self.active_fraction
 
-    @property
-    def n_experts(self) -> int:
-        return self.w1.shape[0]
-
-    def runs_chunked(self, x: torch.Tensor, rows: int | None = None) -> bool:
-        """Whether the backend for ``x`` ([N, D]) and ``rows`` expert assignments is ``chunked``
-        (token order in and out, see ``forward``; ``auto`` decides by size, see
-        ``grouped_gemm.resolve_name``). Under ``torch.compile`` the grouped path is used
-        instead: its shapes do not depend on the routing."""
+    def uses_scattered(self, x: torch.Tensor, rows: int | None = None) -> bool:
+        """Whether the backend for ``x`` ([N, D]) and ``rows`` expert assignments implements
+        ``forward_scattered`` (``auto`` decides by size, see ``grouped_gemm.resolve_name``).
+        Under ``torch.compile`` the sorted path is used instead: its shapes do not depend on
+        the routing."""
         d_model, d_ff = self.w1.shape[1:]
-        chunked = resolve_name(self.backend, x.device, x.dtype, d_model, d_ff, rows) == "chunked"
-        return chunked and not torch.compiler.is_compiling()
+        name = resolve_name(self.backend, x.device, x.dtype, d_model, d_ff, rows)
+        return ENTRY_POINTS[name] == "scattered" and not torch.compiler.is_compiling()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        counts: torch.Tensor,
-        token_idx: torch.Tensor | None = None,
-        weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Grouped: x [M, D] rows sorted by expert, counts [E] -> [M, D].
-
-        Token order (the ``chunked`` backend): with ``token_idx`` and ``weights`` ([M], grouped
-        by expert), x is [N, D] in token order and the result is ``out[n] = sum of weights[m]
-        * expert_m(x[n])`` ([N, D]): the gather and the weighted combine are fused in.
-        """
-        if token_idx is not None:
-            if weights is None:
-                raise ValueError("token-order experts need the combine weights with token_idx")
-            return chunked_experts(x, token_idx, counts, weights.to(x.dtype), self.w1, self.w2, self.w3)
+    def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [M, D] rows sorted by expert, counts [E] rows per expert -> [M, D] (grouped GEMMs;
+        a ``scattered`` backend uses its grouped fallback here)."""
         d_model, d_ff = self.w1.shape[1:]
         gmm = get_backend(self.backend, x.device, x.dtype, d_model, d_ff)
         h = gmm(x, self.w1, counts)
         h = expert_activation(h, gmm(x, self.w3, counts) if self.w3 is not None else None)
         return gmm(h, self.w2, counts)
+
+    forward = forward_sorted
+
+    def forward_scattered(
+        self, x: torch.Tensor, counts: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [N, D] in token order; token_idx, weights [M] each assignment's token and combine
+        weight, grouped by expert; counts [E] -> ``out[n] = sum of weights[m] *
+        expert_m(x[n])`` over n's assignments ([N, D]): gather and combine fused in."""
+        return chunked_experts(x, token_idx, counts, weights.to(x.dtype), self.w1, self.w2, self.w3)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """x: [E, C, D] padded per-expert buffers -> [E, C, D] with batched matmuls."""

@@ -1,10 +1,13 @@
-"""MoE layers: ``DroplessMoE`` (grouped GEMM, every assignment computed) and ``CapacityMoE``
-(the classic capacity-factor baseline with padded per-expert buffers and token dropping).
+"""MoE layers: ``DroplessMoE`` (grouped GEMM, every assignment computed), ``CapacityMoE``
+(the classic capacity-factor baseline with padded per-expert buffers and token dropping) and
+``ExpertChoiceMoE`` (each expert takes its top-C tokens of the batch).
 
-Both have the same parameters, so one checkpoint loads in either. ``forward(x [..., D]) ->
-[..., D]``; auxiliary losses and metrics of the last forward stay on the module (see
-``mode.routed``). No-op experts (``n_noop``) output zero and cost no GEMM: the integrated MoDE
-block uses them.
+All have the same parameters, so one checkpoint loads in any of them. ``forward(x [..., D])
+-> [..., D]``; auxiliary losses and metrics of the last forward stay on the module (see
+``mode.routed``). No-op experts (``n_noop``) output zero and cost no GEMM: the integrated
+MoDE block uses them. ``check_moe_args`` is the one place that validates the options (the
+keyword constructors and ``MoEConfig`` both call it); ``from_config`` builds a layer from
+``MoEConfig``.
 
 Legend: N tokens, D model dim, F expert hidden, E real experts, E0 = E + n_noop router
 outputs, K experts per token, C slots per expert, M assignments computed.
@@ -12,15 +15,21 @@ outputs, K experts per token, C slots per expert, M assignments computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from mode.experts.mlp import ExpertMLP
-from mode.experts.permute import Dispatch, combine, permute, sort_by_expert, sorted_weights, unpermute
+from mode.checks import check_choice, check_int, check_positive, check_range, fail
+from mode.experts.dispatch import Dispatcher, LocalDispatcher
+from mode.experts.grouped_gemm import BACKEND_NAMES
+from mode.experts.mlp import MLP_KINDS, ExpertMLP, MlpKind, mlp_flops
+from mode.experts.permute import combine, permute, sort_by_expert, unpermute
 from mode.routed import Routed
 from mode.routing.losses import (
+    LB_SCOPES,
+    LbScope,
     expert_load,
     load_balance_loss,
     router_z_loss,
@@ -28,6 +37,8 @@ from mode.routing.losses import (
     update_selection_bias,
 )
 from mode.routing.token_choice import (
+    DROP_POLICIES,
+    DropPolicy,
     TokenChoice,
     capacity_keep,
     expert_capacity,
@@ -36,25 +47,83 @@ from mode.routing.token_choice import (
     token_choice_topk,
 )
 
-# (x_sorted [M, D], counts [E], experts) -> y_sorted [M, D]; expert parallelism swaps this.
-Dispatcher = Callable[[torch.Tensor, torch.Tensor, ExpertMLP], torch.Tensor]
+if TYPE_CHECKING:
+    from mode.config import MoEConfig
 
 
-def local_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, experts: ExpertMLP) -> torch.Tensor:
-    """All experts live on this device: run the grouped GEMM directly."""
-    return experts(x_sorted, counts)
+def expert_width(d_model: int, top_k: int, mlp_ratio: int = 4) -> int:
+    """Default per-expert hidden size ``mlp_ratio * d_model // top_k``: a token's active expert
+    FLOPs then match a dense MLP of width ``mlp_ratio * d_model``."""
+    return max(1, mlp_ratio * d_model // top_k)
+
+
+def check_moe_args(
+    n_experts: int,
+    top_k: int,
+    mlp: str = "gelu",
+    backend: str = "auto",
+    jitter: float = 0.0,
+    capacity_factor: float = 1.25,
+    drop_policy: str = "position",
+    n_noop: int = 0,
+    noop_share: float = 0.5,
+    lb_coef: float = 0.01,
+    lb_scope: str = "batch",
+    z_coef: float = 0.001,
+    bias_rate: float = 0.0,
+    prefix: str = "",
+    **_: object,
+) -> None:
+    """``ConfigError`` (a ``ValueError``) naming ``prefix + argument``, the value and the fix."""
+    check_int(prefix + "n_experts", n_experts)
+    check_positive(prefix + "n_experts", n_experts)
+    check_int(prefix + "n_noop", n_noop)
+    check_positive(prefix + "n_noop", n_noop, allow_zero=True)
+    check_int(prefix + "top_k", top_k)
+    if not 1 <= top_k <= n_experts + n_noop:
+        fail(prefix + "top_k", top_k, f"must be in [1, n_experts + n_noop = {n_experts + n_noop}]")
+    check_choice(prefix + "mlp", mlp, MLP_KINDS)
+    check_choice(prefix + "backend", backend, (*BACKEND_NAMES, "auto"))
+    check_positive(prefix + "jitter", jitter, allow_zero=True)
+    check_positive(prefix + "capacity_factor", capacity_factor)
+    check_choice(prefix + "drop_policy", drop_policy, DROP_POLICIES)
+    check_range(prefix + "noop_share", noop_share, 0.0, 1.0)
+    check_positive(prefix + "lb_coef", lb_coef, allow_zero=True)
+    check_choice(prefix + "lb_scope", lb_scope, LB_SCOPES)
+    check_positive(prefix + "z_coef", z_coef, allow_zero=True)
+    check_positive(prefix + "bias_rate", bias_rate, allow_zero=True)
+
+
+def moe_flops(
+    n: int,
+    d_model: int,
+    d_ff: int,
+    cfg: MoEConfig,
+    layer: str = "dropless",
+    real_share: float = 1.0,
+    n_noop: int = 0,
+) -> int:
+    """Forward FLOPs of an MoE layer (``layer`` a key of ``MOE_CLASSES``) on n tokens: the
+    router over E (+ no-op) experts, the expert GEMMs on the rows computed (dropless: n *
+    top_k * real_share assignments; capacity / expert choice: E padded or chosen slots), and
+    the shared expert."""
+    router = 2 * n * d_model * (cfg.n_experts + n_noop)
+    if layer == "dropless":
+        rows = round(n * cfg.top_k * real_share)
+    else:
+        rows = cfg.n_experts * expert_capacity(n, cfg.top_k, cfg.n_experts, cfg.capacity_factor)
+    shared = mlp_flops(n, d_model, d_ff, cfg.mlp) if cfg.shared_expert else 0
+    return router + mlp_flops(rows, d_model, d_ff, cfg.mlp) + shared
 
 
 class MoELayer(Routed):
-    """Router + experts + losses shared by ``DroplessMoE`` and ``CapacityMoE``.
+    """Router + experts + losses shared by the MoE layers.
 
     Args:
         d_model, d_ff: model and per-expert hidden sizes.
-        n_experts, top_k: real experts and experts per token.
+        n_experts, top_k: real experts and experts per token (expert choice: the average).
         mlp: "gelu" or "swiglu".
         backend: "auto", "chunked", "torch", "loop" or "megablocks" (``mode.experts.grouped_gemm``).
-        router: "token_choice" (top-k experts per token) or "expert_choice" (each expert takes
-            its top-C tokens, C = ceil(capacity_factor * N * K / E)).
         renormalize: top-k combine weights sum to one. jitter: router input noise (training).
         capacity_factor, drop_policy: capacity MoE / expert-choice slots.
         shared_expert: add a dense MLP of width d_ff that every token goes through.
@@ -69,45 +138,24 @@ class MoELayer(Routed):
         d_ff: int,
         n_experts: int,
         top_k: int = 2,
-        mlp: str = "gelu",
+        mlp: MlpKind = "gelu",
         backend: str = "auto",
-        router: str = "token_choice",
         renormalize: bool = True,
         jitter: float = 0.0,
         capacity_factor: float = 1.25,
-        drop_policy: str = "position",
+        drop_policy: DropPolicy = "position",
         shared_expert: bool = False,
         n_noop: int = 0,
         noop_share: float = 0.5,
         lb_coef: float = 0.01,
-        lb_scope: str = "batch",
+        lb_scope: LbScope = "batch",
         z_coef: float = 0.001,
         bias_rate: float = 0.0,
     ) -> None:
         super().__init__()
-        from mode.config import MoEConfig  # noqa: PLC0415  (one place validates the values)
-
-        MoEConfig(
-            n_experts=n_experts,
-            top_k=top_k,
-            d_ff=d_ff,
-            mlp=mlp,
-            backend=backend,
-            router=router,
-            jitter=jitter,
-            capacity_factor=capacity_factor,
-            drop_policy=drop_policy,
-            n_noop=n_noop,
-            noop_share=noop_share,
-            lb_coef=lb_coef,
-            lb_scope=lb_scope,
-            z_coef=z_coef,
-            bias_rate=bias_rate,
-        )
-        if router == "expert_choice" and n_noop:
-            raise ValueError("router='expert_choice' does not support no-op experts (n_noop must be 0)")
+        check_moe_args(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
         self.n_experts, self.top_k, self.n_noop = n_experts, top_k, n_noop
-        self.router_kind, self.renormalize, self.jitter = router, renormalize, jitter
+        self.renormalize, self.jitter = renormalize, jitter
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.lb_coef, self.lb_scope, self.z_coef, self.bias_rate = lb_coef, lb_scope, z_coef, bias_rate
         self.router = nn.Linear(d_model, n_experts + n_noop, bias=False)
@@ -118,25 +166,22 @@ class MoELayer(Routed):
         self.register_buffer("target", target_shares(n_experts, n_noop, noop_share), persistent=False)
         self.register_buffer("selection_bias", torch.zeros(n_experts + n_noop))
         self.register_buffer("_load_sum", torch.zeros(n_experts + n_noop), persistent=False)
-        self.dispatcher: Dispatcher = local_dispatch
+        self.dispatcher: Dispatcher = LocalDispatcher()
+
+    @classmethod
+    def from_config(cls, d_model: int, cfg: MoEConfig, d_ff: int, n_noop: int = 0) -> MoELayer:
+        """The layer ``cfg`` describes, with per-expert width ``d_ff`` and ``n_noop`` no-op
+        experts (only the integrated MoDE block has them)."""
+        options = {k: v for k, v in asdict(cfg).items() if k not in ("n_experts", "top_k", "d_ff", "router")}
+        return cls(d_model, d_ff, cfg.n_experts, cfg.top_k, **{**options, "n_noop": n_noop})
 
     def non_causal_reason(self) -> str | None:
-        if self.router_kind == "expert_choice":
-            return (
-                "expert-choice experts pick their tokens among the whole batch: use "
-                "router='token_choice' (config: model.moe.router), or sample without the cache "
-                "(generate(use_cache=False))"
-            )
-        return None
+        return None  # token choice: each token picks its experts from its own logits
 
     def extra_repr(self) -> str:
-        parts = [f"n_experts={self.n_experts}", f"top_k={self.top_k}", f"router={self.router_kind!r}"]
+        parts = [f"n_experts={self.n_experts}", f"top_k={self.top_k}"]
         if self.n_noop:
             parts.append(f"n_noop={self.n_noop}")
-        if self.router_kind == "expert_choice" or isinstance(self, CapacityMoE):
-            parts.append(f"capacity_factor={self.capacity_factor}")
-        if isinstance(self, CapacityMoE):
-            parts.append(f"drop_policy={self.drop_policy!r}")
         return ", ".join(parts)
 
     # -- routing -----------------------------------------------------------------------------
@@ -178,38 +223,19 @@ class MoELayer(Routed):
         D = x.shape[-1]
         x2 = x.reshape(-1, D)
         self.clear_aux()
-        if self.router_kind == "expert_choice":
-            out = self._expert_choice(x2)
-        else:
-            choice, logits = self.route(x2, tuple(x.shape))
-            self.record_aux("z_loss", router_z_loss(logits), self.z_coef)
-            out = self._compute(x2, choice)
+        out = self._routed(x2, tuple(x.shape))
         if self.shared is not None:
             out = out + self.shared(x2, torch.tensor([x2.shape[0]], device=x.device))
         return out.view_as(x)
 
-    def _expert_choice(self, x2: torch.Tensor) -> torch.Tensor:
-        N = x2.shape[0]
-        logits = self.router_logits(x2)
+    def _routed(self, x2: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The routed experts' output for x2 [N, D] -> [N, D] (``shape``: x's own shape)."""
+        choice, logits = self.route(x2, shape)
         self.record_aux("z_loss", router_z_loss(logits), self.z_coef)
-        C = expert_capacity(N, self.top_k, self.n_experts, self.capacity_factor)
-        tokens, weights = expert_choice_tokens(torch.softmax(logits, dim=-1), C)  # [E, C]
-        counts = torch.full((self.n_experts,), tokens.shape[1], device=x2.device, dtype=torch.long)
-        token_idx = tokens.reshape(-1)
-        y = self.dispatcher(x2.index_select(0, token_idx), counts, self.experts)
-        self.metrics["dispatched"] = token_idx.numel()
-        self.metrics["unrouted_tokens"] = 1.0 - torch.unique(token_idx).numel() / max(1, N)
-        return unpermute(y, token_idx, weights.reshape(-1), N)
+        return self._compute(x2, choice)
 
     def _compute(self, x2: torch.Tensor, choice: TokenChoice) -> torch.Tensor:
         raise NotImplementedError
-
-    def _run_dispatch(self, x2: torch.Tensor, choice: TokenChoice, dispatch: Dispatch) -> torch.Tensor:
-        if self.dispatcher is local_dispatch and self.experts.runs_chunked(x2, dispatch.token_idx.numel()):
-            weights = sorted_weights(choice.weights, dispatch)
-            return self.experts(x2, dispatch.counts, token_idx=dispatch.token_idx, weights=weights)
-        y = self.dispatcher(permute(x2, dispatch), dispatch.counts, self.experts)
-        return combine(y, dispatch, choice.weights)
 
 
 class DroplessMoE(MoELayer):
@@ -223,7 +249,7 @@ class DroplessMoE(MoELayer):
         dispatch = sort_by_expert(choice.experts, self.n_experts, has_noop=self.n_noop > 0)
         self.metrics["dispatched"] = dispatch.order.numel()
         self.metrics["drop_fraction"] = 0.0
-        return self._run_dispatch(x2, choice, dispatch)
+        return self.dispatcher.token_choice(x2, dispatch, choice.weights, self.experts)
 
 
 class CapacityMoE(MoELayer):
@@ -236,6 +262,9 @@ class CapacityMoE(MoELayer):
 
     def capacity(self, n_tokens: int) -> int:
         return expert_capacity(n_tokens, self.top_k, self.n_experts, self.capacity_factor)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}"
 
     def non_causal_reason(self) -> str | None:
         return (
@@ -260,3 +289,44 @@ class CapacityMoE(MoELayer):
         buffer = x2.new_zeros(E * C, D).index_copy(0, slot, permute(x2, dispatch))
         y = self.experts.forward_padded(buffer.view(E, C, D)).reshape(E * C, D).index_select(0, slot)
         return combine(y, dispatch, choice.weights)
+
+
+class ExpertChoiceMoE(MoELayer):
+    """Expert choice (Zhou et al. 2022): each expert takes the ``C = ceil(capacity_factor * N *
+    top_k / E)`` tokens of the batch with the highest router probability for it and weights its
+    output by that probability; a token may get any number of experts, or none."""
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int = 2, **kwargs) -> None:
+        if kwargs.get("n_noop"):
+            fail("n_noop", kwargs["n_noop"], "expert-choice experts take no no-op experts: use 0")
+        super().__init__(d_model, d_ff, n_experts, top_k, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, capacity_factor={self.capacity_factor}"
+
+    def non_causal_reason(self) -> str | None:
+        return (
+            "expert-choice experts pick their tokens among the whole batch: use "
+            "router='token_choice' (config: model.moe.router), or sample without the cache "
+            "(generate(use_cache=False))"
+        )
+
+    def _routed(self, x2: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        N = x2.shape[0]
+        logits = self.router_logits(x2)
+        self.record_aux("z_loss", router_z_loss(logits), self.z_coef)
+        C = expert_capacity(N, self.top_k, self.n_experts, self.capacity_factor)
+        tokens, weights = expert_choice_tokens(torch.softmax(logits, dim=-1), C)  # [E, C]
+        counts = torch.full((self.n_experts,), tokens.shape[1], device=x2.device, dtype=torch.long)
+        token_idx = tokens.reshape(-1)
+        y = self.dispatcher(x2.index_select(0, token_idx), counts, self.experts)
+        self.metrics["dispatched"] = token_idx.numel()
+        self.metrics["unrouted_tokens"] = 1.0 - torch.unique(token_idx).numel() / max(1, N)
+        return unpermute(y, token_idx, weights.reshape(-1), N)
+
+
+MOE_CLASSES: dict[str, type[MoELayer]] = {
+    "dropless": DroplessMoE,
+    "capacity": CapacityMoE,
+    "expert_choice": ExpertChoiceMoE,
+}

@@ -13,6 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def attention_flops(n: int, d: int, masked: bool = True) -> int:
+    """Forward FLOPs (2 per multiply-add) of attention over n tokens: QKV + output projections
+    (8 n D^2) and scores/values, 4 n^2 D with the causal mask's masked half counted
+    (``masked=True``, as ``FlopCounterMode``), else 2 n (n+1) D (what a flash kernel computes)."""
+    scores = 4 * n * n * d if masked else 2 * n * (n + 1) * d
+    return 8 * n * d * d + scores
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [B, T] (or [T]) integer -> cos, sin: [B, 1, T, Dh/2] float32."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)

@@ -7,7 +7,18 @@ routed tokens; each row has its own length, and memory grows with what is stored
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class PredictorState:
+    """The routing predictor's decode state: the threshold of the rounded prefix ``length``
+    (it changes only when the prefix reaches the next multiple of the predictor's stride)."""
+
+    length: int = -1
+    threshold: torch.Tensor | None = None
 
 
 class KVCache:
@@ -19,11 +30,10 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         # Router scores of every token the layer has seen, routed or not: [B, capacity], the
         # first n_scores valid (the routing predictor's prefix; empty unless a predictor records
-        # them), and scratch space for routing state derived from them (e.g. the predictor's
-        # threshold, which changes only every few tokens).
+        # them), and the predictor's threshold derived from them.
         self.scores = torch.empty(batch, 0, dtype=torch.float32, device=device)
         self.n_scores = 0
-        self.memo: dict = {}
+        self.predictor_state = PredictorState()
 
     def _reserve(self, needed: int) -> None:
         self.k, self.v = _grown(self.k, 2, needed), _grown(self.v, 2, needed)
@@ -89,10 +99,6 @@ class KVCache:
         B, H, _, Dh = self.k.shape
         kv = self.entries() * H * Dh * 2 * self.k.element_size()
         return kv + self.scores_seen().numel() * self.scores.element_size()
-
-    def nbytes_allocated(self) -> int:
-        """Bytes held, spare capacity included."""
-        return 2 * self.k.numel() * self.k.element_size() + self.scores.numel() * self.scores.element_size()
 
 
 def _grown(t: torch.Tensor, dim: int, needed: int) -> torch.Tensor:

@@ -11,11 +11,13 @@ Legend: B batch, T tokens (a sequence from its first token), D model dim, c capa
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mode.checks import check_range
+from mode.layers.kv_cache import PredictorState
+from mode.routing.expert_choice import capacity_to_k
 
 
 class RoutingPredictor(nn.Module):
@@ -55,8 +57,7 @@ class RoutingPredictor(nn.Module):
         super().__init__()
         if not 0.0 < momentum <= 1.0:
             raise ValueError(f"momentum={momentum!r} is invalid: must be in (0, 1]")
-        if not 0.0 <= capacity <= 1.0:
-            raise ValueError(f"capacity={capacity!r} is invalid: must be in [0.0, 1.0]")
+        check_range("capacity", capacity, 0.0, 1.0)
         if prior_tokens < 0 or stride < 1:
             raise ValueError(f"prior_tokens={prior_tokens} must be >= 0 and stride={stride} >= 1")
         self.capacity, self.momentum, self.prior_tokens, self.stride = capacity, momentum, prior_tokens, stride
@@ -75,6 +76,9 @@ class RoutingPredictor(nn.Module):
         self.threshold = threshold.to(self.threshold.device)
         return self
 
+    def extra_repr(self) -> str:
+        return f"capacity={self.capacity}, stride={self.stride}, prior_tokens={self.prior_tokens}"
+
     def correction(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> the MLP's term of the logit [...] (float32)."""
         return self.out(F.silu(self.fc(x.detach()))).squeeze(-1).float()
@@ -83,7 +87,7 @@ class RoutingPredictor(nn.Module):
         """Threshold of a token whose rounded prefix is the first ``length`` of ``scores`` [B, n] -> [B]."""
         if length == 0:
             return self.threshold.expand(scores.shape[0])
-        k = max(1, math.floor(self.capacity * length + 1e-9))
+        k = max(1, capacity_to_k(self.capacity, length))
         q = scores[:, :length].topk(k, dim=-1).values[:, -1]
         return (self.prior_tokens * self.threshold + length * q) / (self.prior_tokens + length)
 
@@ -104,19 +108,21 @@ class RoutingPredictor(nn.Module):
         decision logits [B, T] (float32)."""
         return scores.detach().float() - self.thresholds(scores) + self.correction(x)
 
-    def decode_logits(self, x: torch.Tensor, history: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
+    def decode_logits(
+        self, x: torch.Tensor, history: torch.Tensor, state: PredictorState | None = None
+    ) -> torch.Tensor:
         """One new token per row: x [B, 1, D], history [B, n] the row's scores so far with this
         token's last -> [B, 1], equal to ``forward`` on the whole sequence at its last position.
-        ``memo`` (e.g. ``KVCache.memo``) keeps the threshold between tokens: it changes only
-        when the prefix length reaches the next multiple of ``stride``."""
+        ``state`` (``KVCache.predictor_state``) keeps the threshold between tokens: it changes
+        only when the prefix length reaches the next multiple of ``stride``."""
         s = history.detach().float()
         length = s.shape[1] // self.stride * self.stride
-        if memo is not None and memo.get("predictor_length") == length:
-            threshold = memo["predictor_threshold"]
+        if state is not None and state.length == length and state.threshold is not None:
+            threshold = state.threshold
         else:
             threshold = self._prefix_threshold(s, length)
-            if memo is not None:
-                memo.update(predictor_length=length, predictor_threshold=threshold)
+            if state is not None:
+                state.length, state.threshold = length, threshold
         return (s[:, -1] - threshold).unsqueeze(-1) + self.correction(x)
 
     @torch.no_grad()

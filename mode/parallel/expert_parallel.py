@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mode.experts.dispatch import Dispatcher
 from mode.experts.mlp import ExpertMLP
 from mode.experts.moe import CapacityMoE, MoELayer
 from mode.parallel.all_to_all import all_to_all, exchange_counts
 from mode.parallel.mesh import ParallelContext
 
 
-class ExpertParallelDispatcher:
+class ExpertParallelDispatcher(Dispatcher):
     """``(x_sorted [M, D], counts [E], local experts) -> y_sorted [M, D]`` across the ep group.
 
     Counts are exchanged first (an all-to-all of [P, E_l]), then tokens with an uneven
@@ -91,7 +92,6 @@ def parallelize(model: nn.Module, ctx: ParallelContext) -> nn.Module:
             if p.shape[0] != layer.n_experts:
                 raise ValueError(f"expert weight {name} has {p.shape[0]} experts, expected {layer.n_experts}")
             setattr(layer.experts, name, nn.Parameter(p[lo:hi].clone()))
-        layer.experts.global_experts = (lo, hi, layer.n_experts)
         layer.dispatcher = dispatcher
     return model
 

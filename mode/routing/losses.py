@@ -5,7 +5,13 @@ Legend: N tokens, E experts (real + no-op), K experts per token.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
+
+# Over which tokens the load-balance loss is computed: the whole batch, or each sequence.
+LbScope = Literal["batch", "sequence"]
+LB_SCOPES: tuple[str, ...] = get_args(LbScope)
 
 
 def target_shares(n_experts: int, n_noop: int = 0, noop_share: float = 0.0) -> torch.Tensor:

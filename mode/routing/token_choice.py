@@ -8,9 +8,17 @@ Router math is done in float32.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
+
+# How an MoE layer assigns tokens to experts (token choice: top-k experts per token; expert
+# choice: each expert takes its top-C tokens of the batch) and which assignments a full
+# expert drops (``capacity_keep``).
+MoERouter = Literal["token_choice", "expert_choice"]
+DropPolicy = Literal["position", "probs"]
+MOE_ROUTERS: tuple[str, ...] = get_args(MoERouter)
+DROP_POLICIES: tuple[str, ...] = get_args(DropPolicy)
 
 
 class TokenChoice(NamedTuple):
@@ -61,7 +69,7 @@ def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: 
 
 
 def capacity_keep(
-    experts: torch.Tensor, weights: torch.Tensor, n_experts: int, capacity: int, policy: str = "position"
+    experts: torch.Tensor, weights: torch.Tensor, n_experts: int, capacity: int, policy: DropPolicy = "position"
 ) -> torch.Tensor:
     """Which assignments ([N, K]) fit in ``capacity`` slots per expert -> keep: [N, K] bool.
 
@@ -81,7 +89,7 @@ def capacity_keep(
         priority = torch.empty_like(rank_major)
         priority[torch.sort(-w, stable=True).indices] = torch.arange(K * N, device=experts.device)
     else:
-        raise ValueError(f"drop_policy={policy!r} is invalid: choose 'position' or 'probs'")
+        raise ValueError(f"drop_policy={policy!r} is invalid: choose one of {list(DROP_POLICIES)}")
     # Sort by (expert, priority); an assignment's slot is its rank inside its expert.
     key = rank_major * (K * N) + priority
     order = torch.sort(key).indices

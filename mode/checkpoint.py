@@ -1,0 +1,235 @@
+"""Checkpoints: one ``save`` / ``load`` for single-process and expert-parallel runs.
+
+Two on-disk kinds, chosen by the run, read by the same ``load``:
+
+- single process: one file (``ckpt.pt``, ``torch.save`` of model, optimizer, progress and
+  config), readable with plain ``torch.load`` and memory-mapped by ``checkpoint_config``;
+- under a process group: a ``torch.distributed.checkpoint`` (DCP) directory (``ckpt/``).
+  Expert shards are saved as DTensors placed ``[Replicate() over dp, Shard(0) over ep]``, so a
+  checkpoint written with one ``ep_size`` loads into another (1 included, in a plain single
+  process); replicated parameters are plain tensors written once; the optimizer state is
+  per rank (``optimizer_rank{r}.pt``) and progress + config sit in ``extra.pt``.
+
+NOTE: two kinds rather than DCP for both: a single-process user gets one portable file
+that ``torch.load`` reads without a process group, DCP's planner or a directory layout.
+
+Both are atomic: written under a temporary name, flushed to disk (fsync), then renamed over
+the last good checkpoint, so a crash mid-save leaves that one in place. Progress is the
+step, the elapsed training time (the ``max_seconds`` budget's clock), and the torch and data
+RNG states; routing state (aux-loss-free biases, predictor thresholds) is in the model's
+buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from mode.config import Config, from_dict, to_dict
+from mode.parallel.expert_parallel import expert_parameters
+from mode.parallel.mesh import ParallelContext
+
+
+class Progress(NamedTuple):
+    """Where a run stands: optimizer steps taken and training seconds spent."""
+
+    step: int
+    elapsed: float = 0.0
+
+
+def save(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    progress: Progress | None = None,
+    cfg: Config | None = None,
+    data_rng: torch.Generator | None = None,
+    ctx: ParallelContext | None = None,
+) -> None:
+    """Save model, optimizer, progress, RNG states and config atomically: one file when
+    ``ctx`` is None, else a DCP directory written by every rank of ``ctx``."""
+    progress = progress or Progress(0)
+    extra = {
+        "step": progress.step,
+        "elapsed": progress.elapsed,
+        "rng": torch.get_rng_state(),
+        "data_rng": data_rng.get_state() if data_rng is not None else None,
+    }
+    if cfg is not None:
+        extra["config"] = to_dict(cfg)
+    if ctx is not None:
+        save_sharded(path, model, ctx, extra, optimizer)
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer else None, **extra}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def load(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    data_rng: torch.Generator | None = None,
+    ctx: ParallelContext | None = None,
+) -> Progress:
+    """Restore model (and optimizer, RNG states) from either kind; returns the progress.
+
+    A DCP directory loads into a single process (``ctx`` None) whatever ``ep_size`` wrote
+    it, model weights only: its optimizer state is per rank, so it resumes only under
+    torchrun on its own layout (``ValueError`` when asked for the optimizer).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if path.is_dir():
+        if optimizer is not None and ctx is None:
+            raise ValueError(
+                f"{path} is an expert-parallel checkpoint: its optimizer state is per rank, so it "
+                "resumes only under torchrun with the same parallel.dp_size and parallel.ep_size; "
+                "load it without an optimizer to use the model"
+            )
+        return _restore(load_sharded(path, model, ctx, optimizer), data_rng)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return _restore(state, data_rng)
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    data_rng: torch.Generator | None = None,
+) -> int:
+    """``load`` in this process; returns the step to continue from."""
+    return load(path, model, optimizer, data_rng).step
+
+
+def checkpoint_config(path: str | Path) -> Config:
+    """The config a checkpoint was trained with (a ``ckpt.pt`` file or a ``ckpt/`` directory)."""
+    path = Path(path)
+    # NOTE: mmap, so that reading the config of a ckpt.pt does not read its tensors.
+    file = path / "extra.pt" if path.is_dir() else path
+    state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+    if "config" not in state:
+        raise ValueError(f"{path} holds no training config (it was not written by mode.train)")
+    return from_dict(state["config"])
+
+
+def _restore(state: dict, data_rng: torch.Generator | None) -> Progress:
+    """Restore the RNG states a checkpoint kept (a DCP one written outside mode.train may keep
+    none) and return its progress (elapsed 0 for checkpoints written before it was saved)."""
+    if state.get("rng") is not None:
+        torch.set_rng_state(state["rng"])
+    if data_rng is not None and state.get("data_rng") is not None:
+        data_rng.set_state(state["data_rng"])
+    return Progress(int(state["step"]), float(state.get("elapsed", 0.0)))
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- the DCP directory kind ------------------------------------------------------------------
+def sharded_state_dict(model: nn.Module, ctx: ParallelContext | None) -> dict[str, torch.Tensor]:
+    """The model's state dict with expert shards wrapped as DTensors of the global shape."""
+    state = model.state_dict()
+    if ctx is None or ctx.ep_size == 1:
+        return state
+    expert_ids = {id(p) for p in expert_parameters(model)}
+    names = {n for n, p in model.named_parameters() if id(p) in expert_ids}
+    return {
+        k: DTensor.from_local(v, ctx.mesh, [Replicate(), Shard(0)], run_check=False) if k in names else v
+        for k, v in state.items()
+    }
+
+
+def save_sharded(
+    path: str | Path,
+    model: nn.Module,
+    ctx: ParallelContext | None,
+    extra: dict | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Save the model (sharded), per-rank optimizer state and ``extra`` (rank 0) atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    _barrier()
+    dcp.save(sharded_state_dict(model, ctx), checkpoint_id=str(tmp))
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / f"optimizer_rank{rank}.pt")
+    if rank == 0 and extra is not None:
+        torch.save(extra, tmp / "extra.pt")
+    _barrier()
+    if rank == 0:
+        for f in tmp.iterdir():
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            path.replace(old)
+        tmp.replace(path)
+        _fsync_dir(path.parent)
+        if old.exists():
+            shutil.rmtree(old)
+    _barrier()
+
+
+def load_sharded(
+    path: str | Path, model: nn.Module, ctx: ParallelContext | None, optimizer: torch.optim.Optimizer | None = None
+) -> dict:
+    """Load a checkpoint saved by ``save_sharded`` into ``model`` on any ep layout; returns
+    ``extra``. The optimizer state is per rank, so it loads only on the layout it was saved with."""
+    path = Path(path)
+    state = sharded_state_dict(model, ctx)
+    dcp.load(state, checkpoint_id=str(path))
+    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+    model.load_state_dict(local)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / f"optimizer_rank{rank}.pt", weights_only=False))
+    extra = path / "extra.pt"
+    return torch.load(extra, weights_only=False) if extra.exists() else {}
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def latest(path: str | Path) -> Path | None:
+    """The checkpoint to resume from at ``path``: ``path`` itself, or, when a save was killed
+    between moving the last good directory aside and renaming the new one in, that
+    ``<path>.old`` directory; None when there is none."""
+    path = Path(path)
+    if path.exists():
+        return path
+    old = path.with_name(path.name + ".old")
+    return old if old.is_dir() else None

@@ -1,0 +1,58 @@
+"""Argument checks shared by the layers' keyword constructors and the config dataclasses.
+
+Each routed module validates its own options in one function (``check_mod_args``,
+``check_moe_args``); the configs call the same function with a field prefix (``model.moe.``),
+so a message names the argument or the config field, the bad value and what is allowed.
+This module is a leaf: it imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable
+from numbers import Real
+
+
+class ConfigError(ValueError):
+    """An invalid argument or config value; the message names it, the value and the fix."""
+
+
+def fail(name: str, value: object, allowed: str) -> None:
+    raise ConfigError(f"{name}={value!r} is invalid: {allowed}")
+
+
+def closest(value: object, choices: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the nearest of ``choices``, or '' when none is near."""
+    match = difflib.get_close_matches(str(value), list(choices), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def check_number(name: str, value: object) -> None:
+    """A real number (not a bool, a string or NaN)."""
+    if isinstance(value, bool) or not isinstance(value, Real) or math.isnan(value):
+        fail(name, value, "must be a number")
+
+
+def check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(name, value, "must be an integer")
+
+
+def check_range(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+    check_number(name, value)
+    ok = (value > lo if lo_open else value >= lo) and value <= hi  # type: ignore[operator]
+    if not ok:
+        fail(name, value, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
+
+
+def check_choice(name: str, value: object, choices: Iterable[str]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        fail(name, value, f"choose one of {list(choices)}{closest(value, choices)}")
+
+
+def check_positive(name: str, value: object, allow_zero: bool = False) -> None:
+    check_number(name, value)
+    if value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
+        fail(name, value, "must be >= 0" if allow_zero else "must be > 0")
