@@ -28,12 +28,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, add_compare_option, load_run, print_comparison, print_table, write_json  # noqa: E402
 
+from mode.checkpoint import checkpoint_config, load_checkpoint  # noqa: E402
 from mode.config import load_config  # noqa: E402
 from mode.data import load_splits  # noqa: E402
 from mode.layers.mod import MoDBlock  # noqa: E402
 from mode.model import MoDETransformer  # noqa: E402
 from mode.routing.expert_choice import expert_choice_topk  # noqa: E402
-from mode.train import checkpoint_config, evaluate, load_checkpoint, train  # noqa: E402
+from mode.train import evaluate, train  # noqa: E402
 
 
 def trained_mod(method: str, seconds: float, checkpoint: str | None, overrides: list[str]) -> MoDETransformer:

@@ -39,9 +39,12 @@ from common import (  # noqa: E402
 
 from mode.config import Config, load_config  # noqa: E402
 from mode.data import load_splits  # noqa: E402
-from mode.flops import train_flops_per_step  # noqa: E402
+from mode.flops import (
+    active_params,  # noqa: E402
+    train_flops_per_step,  # noqa: E402
+)
 from mode.model import MoDETransformer  # noqa: E402
-from mode.train import active_params, build_optimizer, train, train_step  # noqa: E402
+from mode.train import build_optimizer, train, train_step  # noqa: E402
 
 PRESETS = ["dense", "mod", "moe", "moe_capacity", "mode_staged", "mode_integrated"]
 BPB = 1 / math.log(2)

@@ -2,7 +2,7 @@
 
 AdamW, cosine schedule with linear warm-up, gradient clipping, eval every N steps, a tqdm
 progress bar, metrics to ``<out_dir>/metrics.jsonl`` and checkpoint + resume
-(``<out_dir>/ckpt.pt``, written atomically).
+(``<out_dir>/ckpt.pt``, or ``ckpt/`` under torchrun; see ``mode.checkpoint``).
 
     mode-train --config mod model.n_layers=8 train.steps=500
     mode-train --config path/to/my.yaml --print-flops
@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mode.config import Config, ModelConfig, TrainConfig, from_dict, load_config, preset_names, to_dict
+from mode import checkpoint
+from mode.config import Config, ModelConfig, TrainConfig, load_config, preset_names, to_dict
 from mode.data import TokenSplit, load_splits
-from mode.flops import train_flops_per_step
+from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import BLOCK_KINDS
 from mode.layers.mod import MoDBlock
 from mode.model import MoDETransformer
-from mode.parallel import checkpoint as sharded
 from mode.parallel.expert_parallel import (
     clip_grad_norm,
     parallelize,
@@ -89,92 +89,6 @@ def evaluate(
                 metrics[key] = metrics.get(key, 0.0) + value / n_batches
     model.train(was_training)
     return sum(losses) / len(losses), metrics
-
-
-def save_checkpoint(
-    path: Path,
-    model: torch.nn.Module,
-    opt: torch.optim.Optimizer,
-    step: int,
-    cfg: Config,
-    data_rng: torch.Generator | None = None,
-    elapsed: float = 0.0,
-) -> None:
-    """Atomic: write to a temporary file, then rename over the last good checkpoint.
-    ``elapsed`` is the training time spent so far (the ``max_seconds`` budget's clock)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "step": step,
-        "elapsed": elapsed,
-        "config": to_dict(cfg),
-        "rng": torch.get_rng_state(),
-        "data_rng": data_rng.get_state() if data_rng is not None else None,
-    }
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(
-    path: Path,
-    model: torch.nn.Module,
-    opt: torch.optim.Optimizer | None = None,
-    data_rng: torch.Generator | None = None,
-) -> int:
-    """Restore model (and optimizer, RNG) state; returns the step to continue from.
-
-    ``path`` is a single-process ``ckpt.pt`` or an expert-parallel ``ckpt/`` directory (DCP):
-    the latter loads into this single process whatever ``ep_size`` wrote it, model weights
-    only, since its optimizer state is per rank (resume it with torchrun on its own layout).
-    """
-    return _load_progress(path, model, opt, data_rng)[0]
-
-
-def _load_progress(
-    path: Path,
-    model: torch.nn.Module,
-    opt: torch.optim.Optimizer | None = None,
-    data_rng: torch.Generator | None = None,
-) -> tuple[int, float]:
-    """``load_checkpoint``, returning the step and the elapsed training time (seconds)."""
-    path = Path(path)
-    if path.is_dir():
-        if opt is not None:
-            raise ValueError(
-                f"{path} is an expert-parallel checkpoint: its optimizer state is per rank, so it "
-                "resumes only under torchrun with the same parallel.dp_size and parallel.ep_size; "
-                "load it without an optimizer to use the model"
-            )
-        return _restore_progress(sharded.load(path, model, ctx=None), data_rng)
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    if opt is not None:
-        opt.load_state_dict(state["optimizer"])
-    return _restore_progress(state, data_rng)
-
-
-def _restore_progress(state: dict, data_rng: torch.Generator | None) -> tuple[int, float]:
-    """Restore the RNG states a checkpoint's ``state`` kept (either kind of checkpoint; a
-    DCP one written outside mode.train may keep none) and return its step and elapsed
-    training time (0 for checkpoints written before the time was saved)."""
-    if state.get("rng") is not None:
-        torch.set_rng_state(state["rng"])
-    if data_rng is not None and state.get("data_rng") is not None:
-        data_rng.set_state(state["data_rng"])
-    return int(state["step"]), float(state.get("elapsed", 0.0))
-
-
-def checkpoint_config(path: Path) -> Config:
-    """The config a checkpoint was trained with (a ``ckpt.pt`` file or a ``ckpt/`` directory)."""
-    path = Path(path)
-    # NOTE: mmap, so that reading the config of a ckpt.pt does not read its tensors.
-    file = path / "extra.pt" if path.is_dir() else path
-    state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-    if "config" not in state:
-        raise ValueError(f"{path} holds no training config (it was not written by mode.train)")
-    return from_dict(state["config"])
 
 
 def after_optimizer_step(model: torch.nn.Module) -> None:
@@ -292,9 +206,10 @@ def train(
     ckpt = out_dir / ("ckpt" if ctx else "ckpt.pt")
     gen = torch.Generator().manual_seed(tc.seed)
     start, elapsed = 0, 0.0
-    if tc.resume and ckpt.exists():
+    resume_from = checkpoint.latest(ckpt) if tc.resume else None
+    if resume_from is not None:
         # The time budget continues too: the schedule and the max_seconds stop use it.
-        start, elapsed = _load_any(ckpt, model, opt, gen, ctx)
+        start, elapsed = checkpoint.load(resume_from, model, opt, gen, ctx)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -358,60 +273,15 @@ def train(
             log.flush()
             bar.set_postfix(loss=f"{result.train_loss:.3f}", val=f"{result.val_loss:.3f}")
         if tc.ckpt_every and done % tc.ckpt_every == 0:
-            _save_any(ckpt, model, opt, done, cfg, gen, ctx, elapsed)
+            checkpoint.save(ckpt, model, opt, checkpoint.Progress(done, elapsed), cfg, gen, ctx)
         result.steps = done
         if out_of_time:
             break
     bar.close()
     if log is not None:
         log.close()
-    _save_any(ckpt, model, opt, result.steps, cfg, gen, ctx, elapsed)
+    checkpoint.save(ckpt, model, opt, checkpoint.Progress(result.steps, elapsed), cfg, gen, ctx)
     return model, result
-
-
-def _save_any(path: Path, model, opt, step: int, cfg: Config, gen: torch.Generator, ctx, elapsed: float) -> None:
-    if ctx is None:
-        save_checkpoint(path, model, opt, step, cfg, gen, elapsed)
-    else:
-        extra = {
-            "step": step,
-            "elapsed": elapsed,
-            "config": to_dict(cfg),
-            "data_rng": gen.get_state(),
-            "rng": torch.get_rng_state(),
-        }
-        sharded.save(path, model, ctx, extra, opt)
-
-
-def _load_any(path: Path, model, opt, gen: torch.Generator, ctx) -> tuple[int, float]:
-    if ctx is None:
-        return _load_progress(path, model, opt, gen)
-    return _restore_progress(sharded.load(path, model, ctx, opt), gen)
-
-
-def print_flops(cfgs: list[Config]) -> None:
-    """Parameters, active parameters and FLOPs per token of each config's model, as a table."""
-    from mode.flops import model_flops  # noqa: PLC0415
-
-    print(f"{'variant':<18}{'params':>13}{'active params':>15}{'fwd FLOPs/token':>17}{'train GFLOP/step':>18}")
-    for cfg in cfgs:
-        model = MoDETransformer(cfg.model)
-        per_token = model_flops(cfg.model) / cfg.model.seq_len
-        per_step = train_flops_per_step(cfg.model, cfg.train.batch_size) / 1e9
-        print(f"{cfg.name:<18}{model.num_params():>13,}{active_params(model):>15,}{per_token:>17,.0f}{per_step:>18.1f}")
-
-
-def active_params(model: torch.nn.Module) -> int:
-    """Parameters a token touches on average: expert weights count ``active_share()`` of their
-    size (top_k / E, less the no-op share); tied weights count once."""
-    total, seen = 0, set()
-    for module in model.modules():
-        share = getattr(module, "active_share", None)
-        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        n = sum(p.numel() for p in own)
-        total += round(n * share()) if callable(share) else n
-    return total
 
 
 def main(argv: list[str] | None = None) -> None:

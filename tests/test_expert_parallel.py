@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mode import DroplessMoE, IntegratedMoDEBlock, StagedMoDEBlock
+from mode import DroplessMoE, IntegratedMoDEBlock, StagedMoDEBlock, checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
-from mode.parallel import checkpoint as sharded
 from mode.parallel.expert_parallel import dispatch_stats, parallelize
 from mode.parallel.mesh import check_sizes, init_mesh
 from tests.dist_utils import run_workers
@@ -146,7 +145,8 @@ def test_torchrun_dp2_ep2_matches_single_process_and_reloads_with_ep1(tmp_path):
     proc = torchrun(4, [*TRAIN, "parallel.dp_size=2", "parallel.ep_size=2", f"train.out_dir={tmp_path / 'ep'}"])
     # The workers' first traceback is at the top of stderr; torchrun's summary at the end.
     assert proc.returncode == 0, proc.stderr[:4000] + "\n...\n" + proc.stderr[-1500:]
-    from mode.train import build_optimizer, checkpoint_config, load_checkpoint, train
+    from mode.checkpoint import checkpoint_config, load_checkpoint
+    from mode.train import build_optimizer, train
 
     cfg = load_config(None, [*TRAIN, f"train.out_dir={tmp_path / 'single'}"])
     single_model, _ = train(cfg)
@@ -198,10 +198,10 @@ def ckpt_worker(rank: int, world: int, path: str) -> None:
     cfg = load_config(None, CKPT_MODEL).model
     torch.manual_seed(0)
     model = parallelize(MoDETransformer(cfg), ctx).eval()
-    sharded.save(path, model, ctx, extra={"step": 3})
+    checkpoint.save_sharded(path, model, ctx, extra={"step": 3})
     torch.manual_seed(123)  # different weights until loaded
     fresh = parallelize(MoDETransformer(cfg), ctx).eval()
-    assert sharded.load(path, fresh, ctx)["step"] == 3
+    assert checkpoint.load_sharded(path, fresh, ctx)["step"] == 3
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
     torch.testing.assert_close(fresh(idx)[0], model(idx)[0], rtol=0, atol=0)
 
@@ -216,18 +216,18 @@ def test_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     torch.manual_seed(0)
     model = MoDETransformer(cfg).eval()
     path = tmp_path / "ckpt"
-    sharded.save(path, model, None, extra={"step": 1})
+    checkpoint.save_sharded(path, model, None, extra={"step": 1})
     with torch.no_grad():
         model.tok_emb.weight.add_(1.0)
     with pytest.raises(Exception):  # noqa: B017 (the pickler's error type is not ours to pin)
-        sharded.save(path, model, None, extra={"step": 2, "unpicklable": lambda: None})
+        checkpoint.save_sharded(path, model, None, extra={"step": 2, "unpicklable": lambda: None})
     torch.manual_seed(0)
     restored = MoDETransformer(cfg).eval()
-    assert sharded.load(path, restored, None)["step"] == 1
+    assert checkpoint.load_sharded(path, restored, None)["step"] == 1
     torch.manual_seed(0)
     torch.testing.assert_close(restored.tok_emb.weight, MoDETransformer(cfg).tok_emb.weight)
     # Written outside mode.train (no RNG state, no config): the model still loads.
-    from mode.train import checkpoint_config, load_checkpoint
+    from mode.checkpoint import checkpoint_config, load_checkpoint
 
     assert load_checkpoint(path, MoDETransformer(cfg)) == 1
     with pytest.raises(ValueError, match="no training config"):

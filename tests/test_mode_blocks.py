@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from mode import IntegratedMoDEBlock, StagedMoDEBlock
+from mode.checkpoint import load_checkpoint
 from mode.config import load_config, preset_names
 from mode.experts.moe import DroplessMoE
 from mode.layers.blocks import MoEBlock
 from mode.model import MoDETransformer
-from mode.train import load_checkpoint, train
+from mode.train import train
 
 D, H, E = 32, 4, 4
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -4,9 +4,10 @@ import json
 
 import torch
 
+from mode.checkpoint import checkpoint_config, load_checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
-from mode.train import checkpoint_config, load_checkpoint, train
+from mode.train import train
 
 TINY = [
     "model.d_model=64",
