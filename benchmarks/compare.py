@@ -39,14 +39,12 @@ from common import (  # noqa: E402
 
 from mode.config import Config, load_config  # noqa: E402
 from mode.data import load_splits  # noqa: E402
-from mode.flops import (
-    active_params,  # noqa: E402
-    train_flops_per_step,  # noqa: E402
-)
+from mode.flops import active_params, train_flops_per_step  # noqa: E402
+from mode.layers.kinds import BLOCK_KINDS  # noqa: E402
 from mode.model import MoDETransformer  # noqa: E402
 from mode.train import build_optimizer, train, train_step  # noqa: E402
 
-PRESETS = ["dense", "mod", "moe", "moe_capacity", "mode_staged", "mode_integrated"]
+PRESETS = list(BLOCK_KINDS)  # every block kind has a preset of its name
 BPB = 1 / math.log(2)
 
 
