@@ -24,7 +24,9 @@ def fail(name: str, value: object, allowed: str) -> None:
 
 def closest(value: object, choices: Iterable[str]) -> str:
     """' (did you mean 'x'?)' for the nearest of ``choices``, or '' when none is near."""
-    match = difflib.get_close_matches(str(value), list(choices), n=1)
+    choices = list(choices)
+    swapped = [c for c in choices if sorted(c) == sorted(str(value))]  # a transposition: 'mdo' -> 'mod'
+    match = swapped or difflib.get_close_matches(str(value), choices, n=1)
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
@@ -56,3 +58,17 @@ def check_positive(name: str, value: object, allow_zero: bool = False) -> None:
     check_number(name, value)
     if value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
         fail(name, value, "must be >= 0" if allow_zero else "must be > 0")
+
+
+def check_hidden(x: object, d_model: int, name: str = "x", ranks: tuple[int, ...] = (3,)) -> None:
+    """A floating-point activation tensor whose rank is in ``ranks`` and last dim ``d_model``
+    (``[batch, seq, d_model]`` for blocks; an empty batch is allowed: a rank may hold none)."""
+    import torch  # noqa: PLC0415  (keeps this module importable without torch for configs)
+
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in ranks or x.shape[-1] != d_model:
+        want = " or ".join({3: "[batch, seq, d_model]", 2: "[tokens, d_model]"}[r] for r in ranks)
+        raise ValueError(f"{name} has shape {tuple(x.shape)}: expected {want} with d_model={d_model}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (activations), got {x.dtype}: embed token ids first")

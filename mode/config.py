@@ -11,7 +11,7 @@ to the builders.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -39,6 +39,11 @@ __all__ = [
     "to_dict",
     "to_yaml",
 ]
+
+
+class UnknownPresetError(FileNotFoundError, ValueError):
+    """``load_config`` got a name that is neither a preset nor a YAML file."""
+
 
 # The presets ship inside the package, so they load from a plain (non-editable) install.
 PRESETS = resources.files("mode") / "configs"
@@ -129,7 +134,14 @@ class ModelConfig:
             fail("model.d_model", self.d_model, f"must be divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even for RoPE")
-        self.block_kinds()  # validates the layout
+        kinds = self.block_kinds()  # validates the layout
+        if self.moe.n_noop and "mode_integrated" not in kinds:
+            fail(
+                "model.moe.n_noop",
+                self.moe.n_noop,
+                f"only mode_integrated blocks have no-op experts and model.layout={self.layout!r} has none: "
+                "set it to 0 or add mode_integrated to the layout",
+            )
 
     def expert_d_ff(self) -> int:
         """Per-expert hidden size: ``moe.d_ff``, or ``mlp_ratio * d_model // top_k`` so that a
@@ -181,6 +193,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 1337
     device: str = "cpu"
+    max_bad_steps: int = 3  # consecutive non-finite steps (skipped) before training stops
     threads: int = 0  # torch.set_num_threads; 0 = leave the default
     progress: bool = True
 
@@ -199,6 +212,7 @@ class TrainConfig:
         check_positive("train.eval_batches", self.eval_batches)
         check_positive("train.log_every", self.log_every)
         check_positive("train.ckpt_every", self.ckpt_every, allow_zero=True)
+        check_positive("train.max_bad_steps", self.max_bad_steps)
 
 
 @dataclass
@@ -243,7 +257,7 @@ def _resolve(preset: str | Path) -> tuple[str, str]:
     if candidate.is_file():
         return str(preset), candidate.read_text()
     names = preset_names()
-    raise FileNotFoundError(f"no config {str(preset)!r}: give a YAML path or one of {names}{closest(preset, names)}")
+    raise UnknownPresetError(f"no config {str(preset)!r}: give a YAML path or one of {names}{closest(preset, names)}")
 
 
 def _preset_layers(preset: str | Path, seen: tuple[str, ...] = ()) -> list:
@@ -283,7 +297,24 @@ def _build(layers: list) -> Config:
         if isinstance(cause, ConfigError):
             raise cause from None
         key = getattr(err, "full_key", None) or "config"
-        raise ValueError(f"{key}: {str(err).splitlines()[0]}") from None
+        message = str(err).splitlines()[0]
+        hint = "" if "did you mean" in message.lower() else _closest_key(key)
+        raise ValueError(f"{key}: {message}{hint}") from None
+
+
+def _closest_key(full_key: str) -> str:
+    """' (did you mean ...?)' for a misspelt ``a.b.c`` key: the nearest field of its parent."""
+    *parents, leaf = full_key.split(".")
+    node: object = Config
+    for part in parents:
+        types = {f.name: f.type for f in fields(node)} if is_dataclass(node) else {}
+        node = _FIELD_TYPES.get(types.get(part, ""), None)
+        if node is None:
+            return ""
+    if not is_dataclass(node):
+        return ""
+    hint = closest(leaf, [f.name for f in fields(node)])
+    return hint.replace("'", "'" + ".".join(parents) + ".", 1) if hint and parents else hint
 
 
 def to_yaml(cfg: Config) -> str:
@@ -292,3 +323,7 @@ def to_yaml(cfg: Config) -> str:
 
 def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
+# Annotations are strings (``from __future__ import annotations``): the nested config types by name.
+_FIELD_TYPES = {c.__name__: c for c in (ModelConfig, RoutingConfig, MoEConfig, DataConfig, TrainConfig, ParallelConfig)}

@@ -84,6 +84,8 @@ def load_tokens(source: str, cache_dir: str | Path = "data") -> tuple[np.ndarray
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"data.source={source!r}: no such file (or use 'shakespeare')")
+    if path.stat().st_size == 0:
+        raise ValueError(f"data.source={source!r} is empty: give a file with text or tokens")
     if path.suffix == ".bin":
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
     elif path.suffix == ".u32":
@@ -123,6 +125,12 @@ def load_splits(
 ) -> tuple[TokenSplit, TokenSplit, int]:
     """Train and validation splits (the last ``val_fraction`` of the tokens is validation)."""
     tokens, vocab = load_tokens(source, cache_dir)
+    if len(tokens) < 2 * (seq_len + 2):
+        raise ValueError(
+            f"data.source={source!r} has {len(tokens)} tokens, too short for model.seq_len={seq_len}: it needs "
+            f"at least {2 * (seq_len + 2)} (one window of seq_len + 2 for each of the train and validation "
+            "splits); give more data or a smaller model.seq_len"
+        )
     n_val = max(seq_len + 2, int(len(tokens) * val_fraction))
     return TokenSplit(tokens[:-n_val], seq_len), TokenSplit(tokens[-n_val:], seq_len), vocab
 

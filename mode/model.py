@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mode.checks import check_int, check_number, fail
 from mode.config import ModelConfig
 from mode.layers.blocks import check_routing
 from mode.layers.kinds import build_block
@@ -66,6 +67,9 @@ class MoDETransformer(nn.Module):
         Sequences longer than ``seq_len`` run (RoPE is computed per position) but are
         extrapolation: the model was trained on ``seq_len``.
         """
+        self.check_ids(idx)
+        if targets is not None:
+            self.check_ids(targets, "targets", shape=idx.shape, ignore_index=-100)
         check_routing(routing)
         if routing == "causal" or caches is not None:
             check_causal(self, "routing='causal'" if caches is None else "a KV cache")
@@ -79,6 +83,27 @@ class MoDETransformer(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
+
+    def check_ids(
+        self, idx: object, name: str = "idx", shape: torch.Size | None = None, ignore_index: int | None = None
+    ) -> None:
+        """``ValueError``/``TypeError`` unless ``idx`` is a non-empty [B, T] integer tensor of
+        ids in [0, vocab_size) (``ignore_index`` also allowed), of ``shape`` when given."""
+        V = self.cfg.vocab_size
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(idx).__name__}")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer token ids, got {idx.dtype}: pass idx.long()")
+        if idx.dim() != 2:
+            raise ValueError(f"{name} has shape {tuple(idx.shape)}: expected [batch, seq] (unsqueeze(0) one sequence)")
+        if shape is not None and idx.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(idx.shape)}: expected the inputs' shape {tuple(shape)}")
+        if idx.numel() == 0:
+            raise ValueError(f"{name} has shape {tuple(idx.shape)}: the batch and the sequence must be non-empty")
+        lo, hi = int(idx.min()), int(idx.max())
+        if (lo < 0 and lo != ignore_index) or hi >= V:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} holds token id {bad}: ids must be in [0, model.vocab_size={V})")
 
     def new_caches(self, batch: int) -> list[KVCache]:
         """One empty KV cache per block, for ``forward(..., routing="causal", caches=...)`` + ``decode``."""
@@ -118,10 +143,29 @@ class MoDETransformer(nn.Module):
         top-k forward on the last ``seq_len`` tokens. ``use_cache=True`` on a model that
         cannot decide per token raises ``ValueError`` naming the layers.
         """
+        self.check_ids(idx)
+        check_int("max_new_tokens", max_new_tokens)
+        if max_new_tokens < 0:
+            fail("max_new_tokens", max_new_tokens, "must be >= 0")
+        check_number("temperature", temperature)
+        if temperature < 0:
+            fail("temperature", temperature, "must be >= 0 (0 is greedy)")
+        if top_k is not None:
+            check_int("top_k", top_k)
+            if top_k < 1:
+                fail("top_k", top_k, "must be >= 1, or None for no top-k filter")
         if use_cache is None:
             use_cache = self.supports_causal()
         elif use_cache:
             check_causal(self, "generate(use_cache=True)")
+        total = idx.shape[1] + max_new_tokens
+        if use_cache and total > self.cfg.seq_len:
+            raise ValueError(
+                f"prompt length {idx.shape[1]} + max_new_tokens={max_new_tokens} = {total} runs past "
+                f"model.seq_len={self.cfg.seq_len}, the positions the model was trained on; the KV cache "
+                "cannot drop old tokens: sample fewer tokens, or use_cache=False (each step re-reads the "
+                "last seq_len tokens)"
+            )
         if not use_cache:
             for _ in range(max_new_tokens):
                 logits, _ = self(idx[:, -self.cfg.seq_len :])

@@ -12,6 +12,15 @@ import torch
 from torch import nn
 
 
+def router_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` computed in at least float32, autocast or not: x [..., D], weight
+    [R, D] -> [..., R]. Router scores decide top-k; a bf16 projection rounds them (about 700
+    distinct values per 1,024 tokens) and turns near-ties into ties."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(x.device.type, enabled=False):
+        return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
+
+
 class Routed(nn.Module):
     """Base for modules that keep auxiliary losses and metrics of their last forward."""
 

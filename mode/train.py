@@ -18,6 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -107,26 +108,51 @@ def train_step(
     grad_clip: float = 0.0,
     ctx: ParallelContext | None = None,
     forward: torch.nn.Module | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One optimizer step on a batch: x, y [B, T] token ids -> (loss, aux loss, grad norm or None).
+) -> StepResult:
+    """One optimizer step on a batch: x, y [B, T] token ids -> ``StepResult``.
 
     Forward (through ``forward``, e.g. a DDP wrapper of ``model``; default ``model``), LM loss
     plus the routed modules' auxiliary losses, backward, expert-gradient reduction and load
     sync under expert parallelism (``ctx``), clipping when ``grad_clip`` > 0, the optimizer
     step, and the modules' post-step hooks (``after_optimizer_step``).
+
+    A step whose loss or gradient norm is not finite (on any rank) is skipped: gradients are
+    dropped, the weights, optimizer state and routing state are left as they were, and the
+    result says ``skipped``.
     """
     _, loss = (forward or model)(x, y)
     aux = aux_loss(model)
-    (loss + aux).backward()
+    total = loss + aux
+    total.backward()
     if ctx is not None:
         reduce_expert_grads(model, ctx)
-    grad_norm = clip_grad_norm(model, grad_clip, ctx) if grad_clip else None
+    grad_norm = clip_grad_norm(model, grad_clip or math.inf, ctx)
+    finite = (torch.isfinite(total.detach()) & torch.isfinite(grad_norm)).float()
+    if ctx is not None:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips the same steps
+    if not finite.item():
+        opt.zero_grad(set_to_none=True)
+        return StepResult(loss, aux, grad_norm, skipped=True)
     opt.step()
     opt.zero_grad(set_to_none=True)
     if ctx is not None:
         sync_load_statistics(model, ctx)
     after_optimizer_step(model)
-    return loss, aux, grad_norm
+    return StepResult(loss, aux, grad_norm)
+
+
+class StepResult(NamedTuple):
+    """What ``train_step`` did: the LM loss, the auxiliary loss, the gradient norm before
+    clipping, and whether the step was skipped for a non-finite loss or gradient."""
+
+    loss: torch.Tensor
+    aux: torch.Tensor
+    grad_norm: torch.Tensor
+    skipped: bool = False
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient."""
 
 
 @dataclass
@@ -222,6 +248,7 @@ def train(
     # NOTE: the wall-clock budget (max_seconds, the time-based schedule) counts training steps
     # with their data loading, not evaluation or checkpoints, so that variants whose eval
     # costs more (causal-mode eval) are not charged for it.
+    bad_steps = 0  # consecutive skipped steps
     bar = tqdm(range(start, tc.steps), disable=not tc.progress or rank != 0, desc=cfg.name, dynamic_ncols=True)
     model.train()
     for step in bar:
@@ -233,7 +260,7 @@ def train(
             group["lr"] = lr
         x, y = train_split.batch(tc.batch_size, gen)  # the global batch; this rank takes its rows
         t0 = time.perf_counter()
-        loss, aux, grad_norm = train_step(
+        loss, aux, grad_norm, skipped = train_step(
             model, opt, x[rows].to(device), y[rows].to(device), tc.grad_clip, ctx, forward
         )
         result.step_times.append(time.perf_counter() - t0)
@@ -250,8 +277,25 @@ def train(
             "step_time": result.step_times[-1],
             "elapsed": elapsed,
         }
-        if grad_norm is not None:
-            record["grad_norm"] = float(grad_norm)
+        record["grad_norm"] = float(grad_norm)
+        bad_steps = bad_steps + 1 if skipped else 0
+        if skipped:
+            record["skipped"] = True
+            if rank == 0:
+                tqdm.write(
+                    f"step {done}: non-finite loss or gradient (loss {float(loss):.4g}, grad norm "
+                    f"{float(grad_norm):.4g}): skipped, weights unchanged ({bad_steps} in a row)"
+                )
+            if bad_steps >= tc.max_bad_steps:
+                if log is not None:
+                    log.write(json.dumps(record) + "\n")
+                    log.close()
+                raise NonFiniteTrainingError(
+                    f"{bad_steps} consecutive steps (up to step {done}) had a non-finite loss or gradient "
+                    f"(train.max_bad_steps={tc.max_bad_steps}); stopped without writing a checkpoint (the last "
+                    f"good one: {checkpoint.latest(ckpt) or 'none'}). Check the data, lower train.lr, or "
+                    "raise train.max_bad_steps"
+                )
         out_of_time = bool(tc.max_seconds and elapsed >= tc.max_seconds) or done == stop_at
         last = done == tc.steps or out_of_time
         evaluating = done % tc.eval_every == 0 or last
@@ -268,7 +312,7 @@ def train(
                 point["val_loss_causal"] = record["val_loss_causal"] = result.val_loss_causal
                 record.update({f"{k}@causal_eval": v for k, v in causal_metrics.items() if "causal_share" in k})
             result.history.append(point)
-        if log is not None and (done % tc.log_every == 0 or evaluating):
+        if log is not None and (done % tc.log_every == 0 or evaluating or skipped):
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{result.train_loss:.3f}", val=f"{result.val_loss:.3f}")

@@ -37,7 +37,7 @@ def make_model(layout: str, causal: str, seed: int = 0) -> MoDETransformer:
             f"model.layout=dense,{layout}",
             f"model.mod.causal={causal}",
             "model.mod.capacity=0.5",
-            "model.moe.n_noop=4",
+            f"model.moe.n_noop={4 if layout == 'mode_integrated' else 0}",
             "model.moe.top_k=2",
         ],
     ).model

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mode.checks import check_choice, check_int, check_positive, check_range, fail
+from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range, fail
 from mode.experts.dispatch import Dispatcher, LocalDispatcher
 from mode.experts.grouped_gemm import BACKEND_NAMES
 from mode.experts.mlp import MLP_KINDS, ExpertMLP, MlpKind, mlp_flops
 from mode.experts.permute import combine, permute, sort_by_expert, unpermute
-from mode.routed import Routed
+from mode.routed import Routed, router_projection
 from mode.routing.losses import (
     LB_SCOPES,
     LbScope,
@@ -186,21 +186,26 @@ class MoELayer(Routed):
 
     # -- routing -----------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, D] -> [N, E0] float32 (with input jitter in training)."""
+        """x: [N, D] -> [N, E0], projected in at least float32 (with input jitter in training)."""
         if self.training and self.jitter:
             x = jitter(x, self.jitter)
-        return self.router(x).float()
+        return router_projection(x, self.router.weight)
 
     def route(self, x: torch.Tensor, seq_shape: tuple[int, ...]) -> tuple[TokenChoice, torch.Tensor]:
         """Top-k token choice on x: [N, D]; records losses and load. Returns the choice and logits."""
         logits = self.router_logits(x)
         bias = self.selection_bias if self.bias_rate else None
         choice = token_choice_topk(logits, self.top_k, self.renormalize, bias)
+        # NOTE: tokens with non-finite logits (NaN/inf input) are left out of the losses, so
+        # one bad token does not poison the whole batch's balance and z-losses.
+        finite = torch.isfinite(logits).all(dim=-1)  # [N]
         if self.lb_scope == "sequence" and len(seq_shape) == 3:
             B, T = seq_shape[:2]
-            lb = load_balance_loss(choice.probs.view(B, T, -1), choice.experts.view(B, T, -1), self.target)
+            lb = load_balance_loss(
+                choice.probs.view(B, T, -1), choice.experts.view(B, T, -1), self.target, finite.view(B, T)
+            )
         else:
-            lb = load_balance_loss(choice.probs, choice.experts, self.target)
+            lb = load_balance_loss(choice.probs, choice.experts, self.target, finite)
         load = expert_load(choice.experts, self.n_experts + self.n_noop)
         self.record_aux("lb_loss", lb, self.lb_coef)
         self.metrics["load"] = load
@@ -220,6 +225,8 @@ class MoELayer(Routed):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, D] or [B, T, D] -> the same shape (an empty N is allowed)."""
+        check_hidden(x, self.router.in_features, ranks=(2, 3))
         D = x.shape[-1]
         x2 = x.reshape(-1, D)
         self.clear_aux()
@@ -231,7 +238,7 @@ class MoELayer(Routed):
     def _routed(self, x2: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The routed experts' output for x2 [N, D] -> [N, D] (``shape``: x's own shape)."""
         choice, logits = self.route(x2, shape)
-        self.record_aux("z_loss", router_z_loss(logits), self.z_coef)
+        self.record_aux("z_loss", router_z_loss(logits, torch.isfinite(logits).all(dim=-1)), self.z_coef)
         return self._compute(x2, choice)
 
     def _compute(self, x2: torch.Tensor, choice: TokenChoice) -> torch.Tensor:
@@ -314,7 +321,7 @@ class ExpertChoiceMoE(MoELayer):
     def _routed(self, x2: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         N = x2.shape[0]
         logits = self.router_logits(x2)
-        self.record_aux("z_loss", router_z_loss(logits), self.z_coef)
+        self.record_aux("z_loss", router_z_loss(logits, torch.isfinite(logits).all(dim=-1)), self.z_coef)
         C = expert_capacity(N, self.top_k, self.n_experts, self.capacity_factor)
         tokens, weights = expert_choice_tokens(torch.softmax(logits, dim=-1), C)  # [E, C]
         counts = torch.full((self.n_experts,), tokens.shape[1], device=x2.device, dtype=torch.long)

@@ -19,7 +19,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from mode.checks import check_choice
+from mode.checks import check_choice, check_hidden
 from mode.experts.moe import DroplessMoE, MoELayer, expert_width
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.kv_cache import KVCache
@@ -82,6 +82,8 @@ class TransformerBlock(nn.Module):
         routing: str = "topk",
         cache: KVCache | None = None,
     ) -> torch.Tensor:
+        check_hidden(x, self.norm1.normalized_shape[0])
+        check_routing(routing)
         return x + self.delta(x, positions, cache=cache)
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:

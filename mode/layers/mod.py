@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 from torch import nn
 
-from mode.checks import check_choice, check_int, check_positive, check_range
+from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range
 from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer, expert_width
 from mode.layers.blocks import DenseBlock, MoEBlock, TransformerBlock, check_routing, default_positions
 from mode.layers.kv_cache import KVCache
 from mode.layers.predictor import RoutingPredictor
-from mode.routed import Routed
+from mode.routed import Routed, router_projection
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
 from mode.routing.expert_choice import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
 
@@ -109,9 +109,8 @@ class MoDBlock(Routed):
         return f"capacity={self.capacity}, gate={self.gate!r}, causal={self.causal!r}"
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T] router scores in at least float32 (bf16 ties are common)."""
-        scores = self.router(x).squeeze(-1)
-        return scores.to(torch.promote_types(scores.dtype, torch.float32))
+        """x: [B, T, D] -> [B, T] router scores, projected in at least float32 (bf16 ties are common)."""
+        return router_projection(x, self.router.weight).squeeze(-1)
 
     def decision_logits(self, x: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token routing logit used in causal mode (x: [B, T, D], a sequence from its first
@@ -128,6 +127,7 @@ class MoDBlock(Routed):
         routing: str = "topk",
         cache: KVCache | None = None,
     ) -> torch.Tensor:
+        check_hidden(x, self.router.in_features)
         check_routing(routing)
         if routing == "causal":
             return self._forward_causal(x, default_positions(x) if positions is None else positions, cache)
@@ -151,6 +151,10 @@ class MoDBlock(Routed):
         self.metrics["routed_share"] = k / x.shape[1]
         if k == 0:
             return x
+        if x.shape[0] == 0:
+            # NOTE: an empty local batch still runs the inner block (on no rows), connected to
+            # the output: under expert parallelism its all-to-alls must see every rank.
+            return x + 0 * self.block.delta(x[:, :k], None if positions is None else positions[:, :k]).sum()
         rows = token_rows(plan.indices, x.shape[1])  # [B * k] rows of x.view(B * T, D)
         x_sel, x = take_tokens(x, plan.indices, rows)  # [B, k, D] and the residual stream
         weights = plan.weights if scores.requires_grad else self.router_logits(x_sel)  # [B, k]

@@ -24,31 +24,46 @@ def target_shares(n_experts: int, n_noop: int = 0, noop_share: float = 0.0) -> t
     return torch.cat([real, noop])
 
 
-def load_balance_loss(probs: torch.Tensor, experts: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+def load_balance_loss(
+    probs: torch.Tensor, experts: torch.Tensor, target: torch.Tensor | None = None, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Switch load-balance loss ``sum_e f_e * P_e / t_e`` (= ``E * sum_e f_e P_e`` for a uniform
     target), where f_e is the share of the N*K assignments routed to e and P_e the mean router
     probability. Equals 1 at perfect balance; gradient flows through P only.
 
     probs: [N, E] or [B, N, E] (then computed per sequence and averaged);
-    experts: [N, K] or [B, N, K].
+    experts: [N, K] or [B, N, K]; valid: [N] or [B, N] bool, the tokens to count (None: all),
+    so that a token with NaN logits does not make the loss NaN for the whole batch.
     """
     E = probs.shape[-1]
     if target is None:
         target = torch.full((E,), 1.0 / E)
     target = target.to(probs.device, torch.float32)
     if probs.dim() == 3:
-        return torch.stack([load_balance_loss(p, e, target) for p, e in zip(probs, experts, strict=True)]).mean()
-    counts = torch.zeros(E, device=probs.device).index_add_(
-        0, experts.reshape(-1), torch.ones(experts.numel(), device=probs.device)
-    )
-    f = counts / max(1, experts.numel())
-    P = probs.float().sum(dim=0) / max(1, probs.shape[0])  # an empty batch gives 0, not NaN
+        rows = valid if valid is not None else [None] * len(probs)
+        return torch.stack(
+            [load_balance_loss(p, e, target, v) for p, e, v in zip(probs, experts, rows, strict=True)]
+        ).mean()
+    probs = probs.float()
+    ones = torch.ones(experts.shape, device=probs.device)
+    n = probs.shape[0]
+    if valid is not None:
+        probs = torch.where(valid.unsqueeze(-1), probs, 0.0)
+        ones = ones * valid.unsqueeze(-1)
+        n = valid.sum()
+    counts = torch.zeros(E, device=probs.device).index_add_(0, experts.reshape(-1), ones.reshape(-1))
+    f = counts / ones.sum().clamp_min(1)
+    P = probs.sum(dim=0) / (n.clamp_min(1) if isinstance(n, torch.Tensor) else max(1, n))  # empty batch: 0
     return (f * P / target).sum()
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: ``mean(logsumexp(logits)^2)`` over tokens (0 for N = 0). logits: [N, E]."""
-    return torch.logsumexp(logits.float(), dim=-1).pow(2).sum() / max(1, logits.shape[0])
+def router_z_loss(logits: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE router z-loss: ``mean(logsumexp(logits)^2)`` over tokens (0 for N = 0).
+    logits: [N, E]; valid: [N] bool, the tokens to count (None: all)."""
+    z = torch.logsumexp(logits.float(), dim=-1).pow(2)
+    if valid is None:
+        return z.sum() / max(1, logits.shape[0])
+    return torch.where(valid, z, 0.0).sum() / valid.sum().clamp_min(1)
 
 
 def expert_load(experts: torch.Tensor, n_experts: int) -> torch.Tensor:

@@ -76,7 +76,8 @@ def capacity_keep(
     policy "position": assignments are served by choice rank, then token position (every
     token's first choice before any second choice; earlier tokens first), as GShard/Switch.
     policy "probs": within each expert, the highest combine weights keep their slot
-    (ties: earlier choice rank, then earlier token).
+    (ties: earlier choice rank, then earlier token; a NaN weight ranks last, so a token with
+    NaN logits never takes another token's slot).
     Assignments with an expert id >= ``n_experts`` (no-op experts) are never kept.
     """
     N, K = experts.shape
@@ -85,7 +86,7 @@ def capacity_keep(
     if policy == "position":
         priority = torch.arange(K * N, device=experts.device)
     elif policy == "probs":
-        w = weights.detach().t().reshape(-1)
+        w = weights.detach().t().reshape(-1).nan_to_num(nan=-torch.inf)
         priority = torch.empty_like(rank_major)
         priority[torch.sort(-w, stable=True).indices] = torch.arange(K * N, device=experts.device)
     else:
@@ -107,10 +108,12 @@ def expert_choice_tokens(probs: torch.Tensor, capacity: int) -> tuple[torch.Tens
     """Expert choice for experts: each expert takes its top-``capacity`` tokens by probability.
 
     probs: [N, E] -> (tokens [E, C] int64 token ids sorted by position, weights [E, C]).
-    Ties go to the earlier token. A token may be taken by several experts or by none.
+    Ties go to the earlier token. A token may be taken by several experts or by none. NaN
+    probabilities rank last (a token with NaN logits never takes another token's slot).
     """
     N, E = probs.shape
     C = min(capacity, N)
-    order = torch.sort(probs.detach().t(), dim=-1, descending=True, stable=True).indices[:, :C]
+    ranked = probs.detach().t().nan_to_num(nan=-torch.inf)
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :C]
     tokens = torch.sort(order, dim=-1).values  # [E, C]
     return tokens, probs.t().gather(1, tokens)

@@ -1,0 +1,103 @@
+"""Every bad input at a public entry point gets one ValueError/TypeError naming the argument,
+the bad value and the fix, raised before any computation. One row per case."""
+
+import pytest
+import torch
+
+import mode
+import mode.train
+from mode.config import load_config
+from mode.data import load_splits
+from mode.model import MoDETransformer
+
+D = 16
+
+
+def lm(*extra: str) -> MoDETransformer:
+    torch.manual_seed(0)
+    cfg = load_config(None, ["model.d_model=16", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", *extra])
+    return MoDETransformer(cfg.model)
+
+
+def ids(*shape: int, dtype=torch.long, value: int | None = None) -> torch.Tensor:
+    x = torch.randint(0, 256, shape)
+    if value is not None:
+        x[..., -1] = value
+    return x.to(dtype)
+
+
+def data_file(tmp_path, n_bytes: int) -> str:
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"a" * n_bytes)
+    return str(path)
+
+
+# (id, callable taking tmp_path, exception type, words the message must contain)
+CASES = [
+    # layers: constructor arguments
+    ("mod-capacity-str", lambda t: mode.MoDBlock(D, 2, capacity="0.5"), ValueError, "capacity='0.5'"),
+    ("mod-capacity-range", lambda t: mode.MoDBlock(D, 2, capacity=1.5), ValueError, "capacity=1.5"),
+    ("mod-gate-typo", lambda t: mode.MoDBlock(D, 2, gate="sigmod"), ValueError, "did you mean 'sigmoid'"),
+    ("mod-causal-typo", lambda t: mode.MoDBlock(D, 2, causal="predicter"), ValueError, "did you mean 'predictor'"),
+    ("moe-top-k", lambda t: mode.DroplessMoE(D, 32, 4, top_k=5), ValueError, "top_k=5"),
+    ("moe-backend-typo", lambda t: mode.DroplessMoE(D, 32, 4, backend="chunkd"), ValueError, "did you mean 'chunked'"),
+    ("moe-mlp", lambda t: mode.DroplessMoE(D, 32, 4, mlp="relu"), ValueError, "mlp='relu'"),
+    ("moe-n-experts", lambda t: mode.DroplessMoE(D, 32, 0), ValueError, "n_experts=0"),
+    ("moe-d-ff-float", lambda t: mode.DroplessMoE(D, 32.0, 4), ValueError, "d_ff=32.0"),
+    ("capacity-cf", lambda t: mode.CapacityMoE(D, 32, 4, capacity_factor=0), ValueError, "capacity_factor=0"),
+    ("capacity-policy", lambda t: mode.CapacityMoE(D, 32, 4, drop_policy="random"), ValueError, "drop_policy"),
+    ("integrated-noop", lambda t: mode.IntegratedMoDEBlock(D, 2, n_noop=-1), ValueError, "n_noop=-1"),
+    ("expert-choice-noop", lambda t: mode.ExpertChoiceMoE(D, 32, 4, n_noop=2), ValueError, "n_noop=2"),
+    # layers: inputs
+    ("mod-input-rank", lambda t: mode.MoDBlock(D, 2)(torch.randn(8, D)), ValueError, "[batch, seq, d_model]"),
+    ("mod-input-d-model", lambda t: mode.MoDBlock(D, 2)(torch.randn(1, 8, D + 1)), ValueError, "d_model=16"),
+    ("mod-input-ids", lambda t: mode.MoDBlock(D, 2)(torch.ones(1, 8, D, dtype=torch.long)), TypeError, "floating"),
+    ("dense-input-d-model", lambda t: mode.DenseBlock(D, 2)(torch.randn(1, 8, 8)), ValueError, "d_model=16"),
+    ("moe-input-d-model", lambda t: mode.DroplessMoE(D, 32, 4)(torch.randn(8, 3)), ValueError, "d_model=16"),
+    ("staged-input-rank", lambda t: mode.StagedMoDEBlock(D, 2, n_experts=4)(torch.randn(D)), ValueError, "shape"),
+    ("block-routing", lambda t: mode.DenseBlock(D, 2)(torch.randn(1, 4, D), routing="all"), ValueError, "routing"),
+    # the LM
+    ("lm-float-ids", lambda t: lm()(ids(2, 8, dtype=torch.float32)), TypeError, "integer token ids"),
+    ("lm-negative-id", lambda t: lm()(ids(2, 8, value=-3)), ValueError, "token id -3"),
+    ("lm-id-past-vocab", lambda t: lm()(ids(2, 8, value=256)), ValueError, "vocab_size=256"),
+    ("lm-empty-batch", lambda t: lm()(ids(0, 8)), ValueError, "non-empty"),
+    ("lm-empty-sequence", lambda t: lm()(ids(2, 0)), ValueError, "non-empty"),
+    ("lm-1d-ids", lambda t: lm()(ids(8)), ValueError, "[batch, seq]"),
+    ("lm-targets-shape", lambda t: lm()(ids(2, 8), ids(2, 7)), ValueError, "targets"),
+    ("lm-routing", lambda t: lm()(ids(2, 8), routing="sideways"), ValueError, "routing='sideways'"),
+    ("generate-temperature", lambda t: lm().generate(ids(1, 4), 2, temperature=-1.0), ValueError, "temperature"),
+    ("generate-top-k", lambda t: lm().generate(ids(1, 4), 2, top_k=0), ValueError, "top_k=0"),
+    ("generate-negative-n", lambda t: lm().generate(ids(1, 4), -1), ValueError, "max_new_tokens=-1"),
+    ("generate-past-positions", lambda t: lm("model.layout=dense").generate(ids(1, 30), 8), ValueError, "seq_len=32"),
+    # configs and the CLI
+    ("config-unknown-preset", lambda t: load_config("mdo"), ValueError, "did you mean"),
+    ("config-unknown-key", lambda t: load_config(None, ["model.n_layer=3"]), ValueError, "n_layers"),
+    ("config-unknown-section", lambda t: load_config(None, ["trian.steps=3"]), ValueError, "train"),
+    ("config-layout-typo", lambda t: load_config(None, ["model.layout=dense,mdo"]), ValueError, "did you mean 'mod'"),
+    ("config-backend", lambda t: load_config(None, ["model.moe.backend=cuda"]), ValueError, "model.moe.backend"),
+    ("config-noop-without-integrated", lambda t: load_config(None, ["model.moe.n_noop=4"]), ValueError, "n_noop"),
+    ("config-ep-divides-experts", lambda t: load_config("moe", ["parallel.ep_size=3"]), ValueError, "ep_size"),
+    ("config-capacity-str", lambda t: load_config(None, ["model.mod.capacity=half"]), ValueError, "capacity"),
+    ("cli-unknown-preset", lambda t: mode.train.main(["--config", "mdo"]), ValueError, "no config 'mdo'"),
+    # data
+    ("data-empty-file", lambda t: load_splits(data_file(t, 0), 32), ValueError, "is empty"),
+    ("data-too-short", lambda t: load_splits(data_file(t, 40), 32), ValueError, "too short for model.seq_len=32"),
+    ("data-missing", lambda t: load_splits(str(t / "nope.txt"), 32), FileNotFoundError, "no such file"),
+]
+
+
+@pytest.mark.parametrize("build,error,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gets_a_named_error(build, error, words, tmp_path):
+    with pytest.raises(error) as info:
+        build(tmp_path)
+    assert words in str(info.value), str(info.value)
+
+
+def test_the_table_has_a_row_per_case():
+    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_a_rank_may_hold_an_empty_batch():
+    """Layers accept zero tokens (under expert parallelism a rank can hold none)."""
+    assert mode.DroplessMoE(D, 32, 4)(torch.randn(0, D)).shape == (0, D)
+    assert mode.MoDBlock(D, 2)(torch.randn(0, 8, D)).shape == (0, 8, D)
