@@ -53,9 +53,12 @@ def save(
     cfg: Config | None = None,
     data_rng: torch.Generator | None = None,
     ctx: ParallelContext | None = None,
+    keep: int = 1,
 ) -> None:
     """Save model, optimizer, progress, RNG states and config atomically: one file when
-    ``ctx`` is None, else a DCP directory written by every rank of ``ctx``."""
+    ``ctx`` is None, else a DCP directory written by every rank of ``ctx``. With ``keep`` > 1
+    the checkpoint it replaces stays as ``<path>.step<N>`` and the ``keep - 1`` newest of those
+    are kept."""
     progress = progress or Progress(0)
     extra = {
         "step": progress.step,
@@ -66,7 +69,7 @@ def save(
     if cfg is not None:
         extra["config"] = to_dict(cfg)
     if ctx is not None:
-        save_sharded(path, model, ctx, extra, optimizer)
+        save_sharded(path, model, ctx, extra, optimizer, keep)
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,8 +79,11 @@ def save(
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    if keep > 1 and path.exists():
+        os.link(path, _history_name(path))  # the old file stays reachable under its step
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+    _prune_history(path, keep)
 
 
 def load(
@@ -174,8 +180,10 @@ def save_sharded(
     ctx: ParallelContext | None,
     extra: dict | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    keep: int = 1,
 ) -> None:
-    """Save the model (sharded), per-rank optimizer state and ``extra`` (rank 0) atomically."""
+    """Save the model (sharded), per-rank optimizer state and ``extra`` (rank 0) atomically
+    (``keep``: see ``save``)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -192,13 +200,14 @@ def save_sharded(
         for f in tmp.iterdir():
             with open(f, "rb") as handle:
                 os.fsync(handle.fileno())
-        old = path.with_name(path.name + ".old")
+        old = _history_name(path) if keep > 1 and path.exists() else path.with_name(path.name + ".old")
         if path.exists():
             path.replace(old)
         tmp.replace(path)
         _fsync_dir(path.parent)
-        if old.exists():
+        if old.exists() and old.suffix == ".old":
             shutil.rmtree(old)
+        _prune_history(path, keep)
     _barrier()
 
 
@@ -227,9 +236,36 @@ def _barrier() -> None:
 def latest(path: str | Path) -> Path | None:
     """The checkpoint to resume from at ``path``: ``path`` itself, or, when a save was killed
     between moving the last good directory aside and renaming the new one in, that
-    ``<path>.old`` directory; None when there is none."""
+    ``<path>.old`` directory or the newest ``<path>.step<N>``; None when there is none."""
     path = Path(path)
     if path.exists():
         return path
     old = path.with_name(path.name + ".old")
-    return old if old.is_dir() else None
+    if old.is_dir():
+        return old
+    history = _history(path)
+    return history[-1] if history else None
+
+
+def _step_of(path: Path) -> int:
+    extra = path / "extra.pt" if path.is_dir() else path
+    return int(torch.load(extra, map_location="cpu", weights_only=False, mmap=True)["step"])
+
+
+def _history_name(path: Path) -> Path:
+    return path.with_name(f"{path.name}.step{_step_of(path)}")
+
+
+def _history(path: Path) -> list[Path]:
+    """Older checkpoints kept beside ``path`` (``<name>.step<N>``), oldest first."""
+    found = []
+    for p in path.parent.glob(path.name + ".step*"):
+        suffix = p.name[len(path.name) + len(".step") :]
+        if suffix.isdigit():
+            found.append((int(suffix), p))
+    return [p for _, p in sorted(found)]
+
+
+def _prune_history(path: Path, keep: int) -> None:
+    for old in _history(path)[: max(0, len(_history(path)) - (keep - 1))]:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()

@@ -189,6 +189,7 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     ckpt_every: int = 0  # 0 = only at the end
+    keep_checkpoints: int = 1  # > 1: also keep the N - 1 checkpoints before the latest (<ckpt>.step<N>)
     out_dir: str = "runs/default"
     resume: bool = False
     seed: int = 1337
@@ -213,6 +214,7 @@ class TrainConfig:
         check_positive("train.log_every", self.log_every)
         check_positive("train.ckpt_every", self.ckpt_every, allow_zero=True)
         check_positive("train.max_bad_steps", self.max_bad_steps)
+        check_positive("train.keep_checkpoints", self.keep_checkpoints)
 
 
 @dataclass

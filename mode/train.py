@@ -36,6 +36,7 @@ from mode.parallel.expert_parallel import (
     parallelize,
     reduce_expert_grads,
     sync_load_statistics,
+    sync_running_thresholds,
     wrap_data_parallel,
 )
 from mode.parallel.mesh import ParallelContext, destroy, init_mesh
@@ -107,25 +108,25 @@ def train_step(
     y: torch.Tensor,
     grad_clip: float = 0.0,
     ctx: ParallelContext | None = None,
-    forward: torch.nn.Module | None = None,
+    objective: torch.nn.Module | None = None,
 ) -> StepResult:
     """One optimizer step on a batch: x, y [B, T] token ids -> ``StepResult``.
 
-    Forward (through ``forward``, e.g. a DDP wrapper of ``model``; default ``model``), LM loss
-    plus the routed modules' auxiliary losses, backward, expert-gradient reduction and load
-    sync under expert parallelism (``ctx``), clipping when ``grad_clip`` > 0, the optimizer
-    step, and the modules' post-step hooks (``after_optimizer_step``).
+    Forward (through ``objective``, e.g. a DDP wrapper of ``LMObjective(model)``; default
+    ``LMObjective(model)``), LM loss plus the routed modules' auxiliary losses, backward,
+    expert-gradient reduction and load sync under expert parallelism (``ctx``), clipping when
+    ``grad_clip`` > 0, the optimizer step, and the modules' post-step hooks (``after_optimizer_step``).
 
     A step whose loss or gradient norm is not finite (on any rank) is skipped: gradients are
     dropped, the weights, optimizer state and routing state are left as they were, and the
     result says ``skipped``.
     """
-    _, loss = (forward or model)(x, y)
-    aux = aux_loss(model)
+    loss, aux = (objective or LMObjective(model))(x, y)
     total = loss + aux
     total.backward()
     if ctx is not None:
         reduce_expert_grads(model, ctx)
+        sync_running_thresholds(model, ctx)
     grad_norm = clip_grad_norm(model, grad_clip or math.inf, ctx)
     finite = (torch.isfinite(total.detach()) & torch.isfinite(grad_norm)).float()
     if ctx is not None:
@@ -139,6 +140,22 @@ def train_step(
         sync_load_statistics(model, ctx)
     after_optimizer_step(model)
     return StepResult(loss, aux, grad_norm)
+
+
+class LMObjective(torch.nn.Module):
+    """``(x, y) -> (LM loss, auxiliary loss)`` of ``model`` on a batch: the module that DDP
+    wraps, so that parameters only an auxiliary loss reaches (the routing predictor, trained by
+    its BCE alone) are part of the forward's output. (DDP with unused-parameter detection
+    marks parameters it cannot reach from the output ready at the end of the forward, and
+    their gradient then arrives a second time.)"""
+
+    def __init__(self, model: MoDETransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, loss = self.model(x, y)
+        return loss, aux_loss(self.model)
 
 
 class StepResult(NamedTuple):
@@ -223,10 +240,10 @@ def train(
     )
     _check_vocab(cfg.model, vocab)
     model = (model or MoDETransformer(cfg.model)).to(device)
-    forward = model
+    objective = LMObjective(model)
     if ctx is not None:
         parallelize(model, ctx)
-        forward = wrap_data_parallel(model, ctx)
+        objective = wrap_data_parallel(objective, ctx)
     opt = build_optimizer(model, tc)
     out_dir = Path(tc.out_dir)
     ckpt = out_dir / ("ckpt" if ctx else "ckpt.pt")
@@ -249,6 +266,7 @@ def train(
     # with their data loading, not evaluation or checkpoints, so that variants whose eval
     # costs more (causal-mode eval) are not charged for it.
     bad_steps = 0  # consecutive skipped steps
+    saved = start if start else -1  # step of the last checkpoint on disk from this run (or its resume)
     bar = tqdm(range(start, tc.steps), disable=not tc.progress or rank != 0, desc=cfg.name, dynamic_ncols=True)
     model.train()
     for step in bar:
@@ -261,7 +279,7 @@ def train(
         x, y = train_split.batch(tc.batch_size, gen)  # the global batch; this rank takes its rows
         t0 = time.perf_counter()
         loss, aux, grad_norm, skipped = train_step(
-            model, opt, x[rows].to(device), y[rows].to(device), tc.grad_clip, ctx, forward
+            model, opt, x[rows].to(device), y[rows].to(device), tc.grad_clip, ctx, objective
         )
         result.step_times.append(time.perf_counter() - t0)
         result.train_loss = _mean_over_ranks(loss.item(), ctx)
@@ -317,14 +335,17 @@ def train(
             log.flush()
             bar.set_postfix(loss=f"{result.train_loss:.3f}", val=f"{result.val_loss:.3f}")
         if tc.ckpt_every and done % tc.ckpt_every == 0:
-            checkpoint.save(ckpt, model, opt, checkpoint.Progress(done, elapsed), cfg, gen, ctx)
+            saved = done
+            checkpoint.save(ckpt, model, opt, checkpoint.Progress(done, elapsed), cfg, gen, ctx, tc.keep_checkpoints)
         result.steps = done
         if out_of_time:
             break
     bar.close()
     if log is not None:
         log.close()
-    checkpoint.save(ckpt, model, opt, checkpoint.Progress(result.steps, elapsed), cfg, gen, ctx)
+    if saved != result.steps:
+        progress = checkpoint.Progress(result.steps, elapsed)
+        checkpoint.save(ckpt, model, opt, progress, cfg, gen, ctx, tc.keep_checkpoints)
     return model, result
 
 

@@ -41,8 +41,8 @@ class RoutingPredictor(nn.Module):
     NOTE: the MLP alone (the MoD paper's predictor) has to relearn the router's moving linear
     score; a fixed threshold on the score cannot follow sequences whose k-th score sits high or
     low; the prefix order statistic can (benchmarks/RESULTS.md, "Causal sampling").
-    Under DDP with ``broadcast_buffers=False`` each rank keeps its own running threshold (they
-    agree to the noise of their batches); the checkpoint holds rank 0's.
+    Under data parallelism ``mode.train`` averages the running threshold over the ranks after
+    every step (``parallel.expert_parallel.sync_running_thresholds``), so all replicas agree.
     """
 
     def __init__(

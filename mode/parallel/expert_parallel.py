@@ -18,6 +18,7 @@ from torch import nn
 from mode.experts.dispatch import Dispatcher
 from mode.experts.mlp import ExpertMLP
 from mode.experts.moe import CapacityMoE, MoELayer
+from mode.layers.predictor import RoutingPredictor
 from mode.parallel.all_to_all import all_to_all, exchange_counts
 from mode.parallel.mesh import ParallelContext
 
@@ -143,6 +144,17 @@ def sync_load_statistics(model: nn.Module, ctx: ParallelContext) -> None:
     for layer in moe_layers(model):
         if layer.bias_rate:
             dist.all_reduce(layer._load_sum)
+
+
+def sync_running_thresholds(model: nn.Module, ctx: ParallelContext) -> None:
+    """Average every routing predictor's running threshold over all ranks after each step.
+    Each rank moves it toward its own batch's k-th score; the EMA is linear, so the average is
+    the update toward the global batch's mean k-th score, and every replica (and the
+    checkpoint, written by rank 0) holds the same threshold."""
+    for m in model.modules():
+        if isinstance(m, RoutingPredictor):
+            dist.all_reduce(m.threshold)
+            m.threshold /= ctx.world_size
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext | None) -> torch.Tensor:
