@@ -40,7 +40,7 @@ from mode.parallel.expert_parallel import (
     wrap_data_parallel,
 )
 from mode.parallel.mesh import ParallelContext, destroy, init_mesh
-from mode.routed import aux_loss, routing_metrics
+from mode.routed import aux_loss, health_warnings, routing_metrics
 
 
 def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
@@ -319,6 +319,11 @@ def train(
         evaluating = done % tc.eval_every == 0 or last
         if done % tc.log_every == 0 or evaluating:
             record.update(routing_metrics(model))  # of this training step, before eval overwrites them
+            warnings = health_warnings(record)
+            if warnings:
+                record["warnings"] = warnings
+                if rank == 0:
+                    tqdm.write(f"step {done}: router collapse? " + "; ".join(warnings))
         if evaluating:
             result.val_loss, _ = evaluate(model, val_split, tc.batch_size, tc.eval_batches, ctx=ctx)
             record["val_loss"] = result.val_loss

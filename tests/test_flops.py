@@ -55,7 +55,9 @@ def test_mod_costs_k_squared_attention():
 
 def test_integrated_flops_match_counter_at_the_realised_noop_share():
     cfg = load_config(
-        None, ["model.d_model=64", "model.n_heads=4", "model.seq_len=128", "model.moe.n_noop=4", "model.moe.top_k=1"]
+        None,
+        ["model.d_model=64", "model.n_heads=4", "model.seq_len=128", "model.layout=mode_integrated"]
+        + ["model.moe.n_noop=4", "model.moe.top_k=1"],
     ).model
     block = build_block("mode_integrated", cfg)
     x = torch.randn(2, cfg.seq_len, cfg.d_model)

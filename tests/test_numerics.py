@@ -177,3 +177,29 @@ def test_nan_in_the_data_is_skipped(tmp_path):
     trained, result = train(cfg, model=model)
     assert [r.get("skipped", False) for r in records(tmp_path)] == [False, True, False, False]
     assert all(torch.isfinite(p).all() for p in trained.parameters())
+
+
+def test_routing_health_metrics_and_collapse_warnings():
+    from mode.routed import health_warnings, routing_metrics
+
+    torch.manual_seed(0)
+    block = mode.MoDBlock(D, 4, capacity=0.1)
+    w = block.router.weight.detach()[0]
+    x = 0.1 * torch.randn(2, 100, D)
+    x[:, :10] += 5 * w / w.norm()  # the first tenth of every sequence scores highest
+    block(x)
+    m = routing_metrics(block)
+    assert m["position_share"][0] == 1.0 and len(m["position_share"]) == 10
+    assert 0 < m["score_entropy"] < 1
+    assert any("first 10% of positions" in w for w in health_warnings(m))
+    block(torch.randn(2, 100, D))
+    assert not health_warnings(routing_metrics(block))
+
+    moe = mode.DroplessMoE(D, 32, 4, top_k=1)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[2] = 1.0
+    moe(torch.rand(64, D) + 0.5)  # every token prefers expert 2
+    m = routing_metrics(moe)
+    assert m["load_max"] == 1.0 and m["load_max_over_mean"] == 4.0
+    assert health_warnings(m) == ["layer: one expert takes 100% of the assignments"]

@@ -92,3 +92,11 @@ def test_resume_continues_the_time_budget_and_its_schedule(tmp_path):
     assert 0 < first.steps < 100000
     _, again = train(load_config("dense", base + ["train.max_seconds=0.5", "train.resume=true"]))
     assert again.steps == first.steps
+
+
+def test_same_seed_same_losses_on_cpu(tmp_path):
+    base = TINY + ["train.steps=6", "train.eval_every=6", "model.layout=dense,mode_staged", "model.moe.n_experts=4"]
+    _, a = train(load_config("mod", base + [f"train.out_dir={tmp_path / 'a'}"]))
+    _, b = train(load_config("mod", base + [f"train.out_dir={tmp_path / 'b'}"]))
+    assert [r["loss"] for r in _records(tmp_path / "a")] == [r["loss"] for r in _records(tmp_path / "b")]
+    assert a.val_loss == b.val_loss

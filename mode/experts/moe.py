@@ -209,6 +209,9 @@ class MoELayer(Routed):
         load = expert_load(choice.experts, self.n_experts + self.n_noop)
         self.record_aux("lb_loss", lb, self.lb_coef)
         self.metrics["load"] = load
+        real = load[: self.n_experts]  # share of all assignments on each real expert
+        self.metrics["load_max"] = real.max()
+        self.metrics["load_max_over_mean"] = real.max() / real.mean().clamp_min(1e-9)
         if self.n_noop:
             self.metrics["noop_share"] = load[self.n_experts :].sum()
         if self.training and self.bias_rate:

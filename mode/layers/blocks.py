@@ -58,14 +58,16 @@ class TransformerBlock(nn.Module):
         positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        cache_keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """f(x): the block's residual update, so that ``forward(x) = x + f(x)``. With
-        ``key_mask`` ([B, T]) attention sees only the marked tokens, and only they are cached."""
+        ``key_mask`` ([B, T]) attention sees only the marked tokens, and only they are cached;
+        ``cache_keep`` ([B, T]) marks the tokens to cache when there is no key mask."""
         if positions is None:
             positions = default_positions(x)
         h, k, v = self.attn.attend(self.norm1(x), positions, key_mask)
         if cache is not None:
-            cache.fill(k, v, key_mask)
+            cache.fill(k, v, key_mask if key_mask is not None else cache_keep)
         return h + self.mlp(self.norm2(x + h))
 
     def delta_decode(

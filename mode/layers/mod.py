@@ -8,6 +8,7 @@ constructors and ``RoutingConfig`` both call it); ``capacity_to_k`` is the one k
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -32,6 +33,7 @@ Gate = Literal["sigmoid", "identity", "none"]
 CausalMethod = Literal["none", "router_bce", "predictor"]
 GATES = {"sigmoid": torch.sigmoid, "identity": lambda r: r, "none": torch.ones_like}
 CAUSAL_METHODS: tuple[str, ...] = get_args(CausalMethod)
+POSITION_BUCKETS = 10  # routed share per tenth of the positions (a health metric)
 assert tuple(GATES) == get_args(Gate)
 
 
@@ -149,6 +151,7 @@ class MoDBlock(Routed):
         self._record_causal_losses(x, scores, plan.mask)
         k = plan.indices.shape[1]
         self.metrics["routed_share"] = k / x.shape[1]
+        self._record_health(scores, plan.indices)
         if k == 0:
             return x
         if x.shape[0] == 0:
@@ -162,6 +165,20 @@ class MoDBlock(Routed):
         delta = self.block.delta(x_sel, chosen_positions)  # [B, k, D]
         return add_gated_tokens(x, plan.indices, GATES[self.gate](weights), delta, rows)
 
+    @torch.no_grad()
+    def _record_health(self, scores: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Router-collapse metrics: ``position_share`` [10], the share of picks in each tenth of
+        the positions, and ``score_entropy``, the mean entropy of the softmax of each
+        sequence's scores over log T (1 = flat, 0 = one token takes all)."""
+        T = scores.shape[1]
+        if chosen.numel():
+            buckets = torch.div(chosen * POSITION_BUCKETS, T, rounding_mode="floor").reshape(-1)
+            self.metrics["position_share"] = torch.bincount(buckets, minlength=POSITION_BUCKETS) / buckets.numel()
+        if T > 1 and scores.shape[0]:
+            p = torch.softmax(scores.float(), dim=-1)
+            entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
+            self.metrics["score_entropy"] = entropy / math.log(T)
+
     def _record_causal_losses(self, x: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor) -> None:
         if self.causal == "none":
             return
@@ -173,18 +190,35 @@ class MoDBlock(Routed):
             self.metrics[f"decision_{name}"] = value
 
     def _forward_causal(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """Each token decides alone (x: a sequence from its first token); the block runs on all
-        tokens with attention restricted to routed keys, and only routed tokens take the update
-        (and enter the cache, which must be empty: a forward is the prefill)."""
+        """Each token decides alone (x: a sequence from its first token); the block runs on the
+        routed tokens only and they alone take the update (and enter the cache, which must be
+        empty: a forward is the prefill).
+
+        Each row's routed tokens are gathered in position order and padded at the end to the
+        longest row: causal attention over that packed sequence is attention over the routed
+        keys at earlier positions (padding comes after every real token, so no query sees it),
+        with no [T, T] mask and O(n^2) work for n routed tokens instead of O(T^2).
+        """
         self.clear_aux()
+        B, T, D = x.shape
         scores = self.router_logits(x)  # [B, T]
         routed = causal_decisions(self.decision_logits(x, scores))  # [B, T]
         self.metrics["causal_share"] = routed.float().mean()
-        delta = self.block.delta(x, positions, key_mask=routed, cache=cache)
+        counts = routed.sum(dim=1)  # [B]
+        n = int(counts.max()) if B else 0
+        out = x  # nothing routed: the block does not run and the cache stays empty
+        if n:
+            # Routed positions first (stable: in position order), then the skipped ones.
+            order = torch.sort((~routed).to(torch.uint8), dim=1, stable=True).indices[:, :n]  # [B, n]
+            valid = torch.arange(n, device=x.device) < counts[:, None]  # [B, n]
+            x_sel = x.gather(1, order.unsqueeze(-1).expand(B, n, D)) * valid.unsqueeze(-1).to(x.dtype)
+            delta = self.block.delta(x_sel, positions.gather(1, order), cache=cache, cache_keep=valid)
+            g = GATES[self.gate](scores.gather(1, order)).unsqueeze(-1).to(delta.dtype)
+            rows = torch.arange(B, device=x.device).unsqueeze(1).expand(B, n)
+            out = x.index_put((rows[valid], order[valid]), (x_sel + g * delta)[valid])
         if cache is not None and self.predictor is not None:
             cache.record_scores(scores)  # the prefix the predictor's decode continues from
-        g = GATES[self.gate](scores).unsqueeze(-1).to(delta.dtype)
-        return torch.where(routed.unsqueeze(-1), x + g * delta, x)
+        return out
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x: [B, 1, D] one new token per row; rows whose token skips cost nothing and write no KV."""
