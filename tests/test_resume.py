@@ -66,8 +66,9 @@ def command(nproc: int, out: Path) -> list[str]:
 
 
 def run(nproc: int, out: Path, extra: list[str], kill_after: float | None = None, slow: float = 0.0) -> int:
-    """Run training to the end, or SIGKILL the whole process group ``kill_after`` seconds after
-    its first checkpoint appears. Returns the exit code (-9 when killed)."""
+    """Run training to the end, or SIGKILL it and its workers ``kill_after`` seconds after its
+    first checkpoint appears (< 0: inside the save after that). Returns the exit code (-9
+    when killed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "SLOW_SAVE": str(slow)}
     args = [*CFG, f"train.out_dir={out}", *extra]
     if nproc > 1:
@@ -89,6 +90,11 @@ def run(nproc: int, out: Path, extra: list[str], kill_after: float | None = None
     deadline = time.time() + 300
     while latest(ckpt) is None and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
+    if kill_after < 0:  # inside the next save: once its temporary file is there
+        tmp = ckpt.with_name(ckpt.name + ".tmp")
+        while not tmp.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        kill_after = 0.05
     time.sleep(kill_after)
     # torchrun starts its workers in sessions of their own: kill the whole tree at once, as a
     # scheduler killing the job's cgroup would.
@@ -136,7 +142,7 @@ def check_kill_and_resume(tmp_path: Path, nproc: int, kills: list[tuple[float, f
         out = tmp_path / f"killed{i}"
         code = run(nproc, out, [], kill_after=after, slow=slow)
         assert code == -signal.SIGKILL, code  # it was killed, not finished
-        if slow and nproc == 1:
+        if slow >= 0.4 and nproc == 1:
             assert (out / "ckpt.pt.tmp").exists()  # killed inside a save
         resumable = latest(out / ("ckpt.pt" if nproc == 1 else "ckpt"))
         assert resumable is not None
@@ -155,8 +161,10 @@ def check_kill_and_resume(tmp_path: Path, nproc: int, kills: list[tuple[float, f
 
 def test_sigkill_and_resume_equals_straight_training(tmp_path):
     rng = random.Random(0)
-    # Random moments, and one with slow saves (each fsync sleeps 0.4 s) so the kill lands mid-save.
-    kills = [(rng.uniform(0.05, 0.6), 0.0), (rng.uniform(0.05, 0.6), 0.0), (0.2, 0.4)]
+    # Random moments (each checkpoint file's fsync sleeps 0.1 s, so the 16 steps outlast the
+    # 0.6 s window whatever the machine's load), and one with 0.4 s fsyncs, so the kill lands
+    # inside a save.
+    kills = [(rng.uniform(0.05, 0.6), 0.1), (rng.uniform(0.05, 0.6), 0.1), (-1.0, 0.4)]
     check_kill_and_resume(tmp_path, 1, kills)
 
 
