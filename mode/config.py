@@ -22,6 +22,7 @@ from mode.checks import ConfigError, check_choice, check_int, check_positive, ch
 from mode.experts.moe import check_moe_args, expert_width
 from mode.layers.kinds import BLOCK_KINDS
 from mode.layers.mod import check_mod_args
+from mode.precision import PRECISIONS
 from mode.routing.token_choice import MOE_ROUTERS
 
 __all__ = [
@@ -194,6 +195,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 1337
     device: str = "cpu"
+    precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 weights) | auto (bf16 where faster): mode.precision
     max_bad_steps: int = 3  # consecutive non-finite steps (skipped) before training stops
     threads: int = 0  # torch.set_num_threads; 0 = leave the default
     progress: bool = True
@@ -215,6 +217,7 @@ class TrainConfig:
         check_positive("train.ckpt_every", self.ckpt_every, allow_zero=True)
         check_positive("train.max_bad_steps", self.max_bad_steps)
         check_positive("train.keep_checkpoints", self.keep_checkpoints)
+        check_choice("train.precision", self.precision, PRECISIONS)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 from mode.config import load_config
 from mode.data import decode, encode
 from mode.flops import train_flops_per_step
+from mode.precision import bf16_speedup, resolve
 from mode.train import train
 
 LAYOUTS = {"dense": "dense", "mod": "dense,mod"}
@@ -36,7 +37,9 @@ def run_demo(
         else:
             extra += [f"model.layout={variant}"]
         cfg = load_config("demo", extra + list(overrides or []))
-        print(f"training {variant} ({cfg.model.layout}) for {seconds:.0f} s ...", flush=True)
+        precision = resolve(cfg.train.precision, cfg.train.device)
+        how = f" ({cfg.train.precision}: bf16 matmuls {bf16_speedup(cfg.train.device):.1f}x fp32 here)"
+        print(f"training {variant} ({cfg.model.layout}) for {seconds:.0f} s in {precision}{how} ...", flush=True)
         model, result = train(cfg)
         print(f"  {result.steps} steps, val loss {result.val_loss:.3f}", flush=True)
         model.eval()
@@ -45,6 +48,7 @@ def run_demo(
         rows.append(
             {
                 "variant": variant,
+                "precision": result.precision,
                 "params": model.num_params(),
                 "steps": result.steps,
                 "step_ms": 1000 * result.median_step_time,

@@ -40,6 +40,7 @@ from mode.parallel.expert_parallel import (
     wrap_data_parallel,
 )
 from mode.parallel.mesh import ParallelContext, destroy, init_mesh
+from mode.precision import autocast, resolve
 from mode.routed import aux_loss, health_warnings, routing_metrics
 
 
@@ -71,6 +72,7 @@ def evaluate(
     n_batches: int,
     routing: str = "topk",
     ctx: ParallelContext | None = None,
+    precision: str = "fp32",
 ) -> tuple[float, dict[str, float]]:
     """Mean cross-entropy (nats/token) over fixed windows of ``split`` (the same windows for
     every model) and the mean of each scalar routing metric over those batches. Under
@@ -84,7 +86,8 @@ def evaluate(
     rows = slice(rank * batch_size // world, (rank + 1) * batch_size // world)
     for _ in range(n_batches):
         x, y = split.batch(batch_size, gen)
-        _, loss = model(x[rows].to(device), y[rows].to(device), routing=routing)
+        with autocast(precision, device):
+            _, loss = model(x[rows].to(device), y[rows].to(device), routing=routing)
         losses.append(_mean_over_ranks(loss.item(), ctx))
         for key, value in routing_metrics(model).items():
             if isinstance(value, float | int):
@@ -109,19 +112,23 @@ def train_step(
     grad_clip: float = 0.0,
     ctx: ParallelContext | None = None,
     objective: torch.nn.Module | None = None,
+    precision: str = "fp32",
 ) -> StepResult:
     """One optimizer step on a batch: x, y [B, T] token ids -> ``StepResult``.
 
     Forward (through ``objective``, e.g. a DDP wrapper of ``LMObjective(model)``; default
     ``LMObjective(model)``), LM loss plus the routed modules' auxiliary losses, backward,
     expert-gradient reduction and load sync under expert parallelism (``ctx``), clipping when
-    ``grad_clip`` > 0, the optimizer step, and the modules' post-step hooks (``after_optimizer_step``).
+    ``grad_clip`` > 0, the optimizer step, and the modules' post-step hooks
+    (``after_optimizer_step``). ``precision`` (resolved: "fp32" or "bf16") sets the forward's
+    autocast (``mode.precision``).
 
     A step whose loss or gradient norm is not finite (on any rank) is skipped: gradients are
     dropped, the weights, optimizer state and routing state are left as they were, and the
     result says ``skipped``.
     """
-    loss, aux = (objective or LMObjective(model))(x, y)
+    with autocast(precision, x.device):
+        loss, aux = (objective or LMObjective(model))(x, y)
     total = loss + aux
     total.backward()
     if ctx is not None:
@@ -178,6 +185,7 @@ class TrainResult:
     train_loss: float
     val_loss: float
     val_loss_causal: float = float("nan")
+    precision: str = "fp32"  # resolved: fp32 or bf16
     step_times: list[float] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)  # eval points: step, seconds, flops, val_loss
 
@@ -234,6 +242,7 @@ def train(
     ctx = _init_parallel(cfg)
     rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
     device = ctx.device if ctx else torch.device(tc.device)
+    precision = resolve(tc.precision, device)
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
     train_split, val_split, vocab = load_splits(
         cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir
@@ -259,7 +268,7 @@ def train(
     log = open(out_dir / "metrics.jsonl", "a" if start else "w") if rank == 0 else None  # noqa: SIM115
     rows = slice(rank * tc.batch_size // world, (rank + 1) * tc.batch_size // world)
     flops_per_step = train_flops_per_step(cfg.model, tc.batch_size)
-    result = TrainResult(steps=start, train_loss=float("nan"), val_loss=float("nan"))
+    result = TrainResult(steps=start, train_loss=float("nan"), val_loss=float("nan"), precision=precision)
     # Models with MoD blocks that can decide per token are also evaluated in causal mode.
     causal_eval = model.supports_causal() and any(isinstance(b, MoDBlock) for b in model.blocks)
     # NOTE: the wall-clock budget (max_seconds, the time-based schedule) counts training steps
@@ -279,7 +288,7 @@ def train(
         x, y = train_split.batch(tc.batch_size, gen)  # the global batch; this rank takes its rows
         t0 = time.perf_counter()
         loss, aux, grad_norm, skipped = train_step(
-            model, opt, x[rows].to(device), y[rows].to(device), tc.grad_clip, ctx, objective
+            model, opt, x[rows].to(device), y[rows].to(device), tc.grad_clip, ctx, objective, precision
         )
         result.step_times.append(time.perf_counter() - t0)
         result.train_loss = _mean_over_ranks(loss.item(), ctx)
@@ -325,12 +334,14 @@ def train(
                 if rank == 0:
                     tqdm.write(f"step {done}: router collapse? " + "; ".join(warnings))
         if evaluating:
-            result.val_loss, _ = evaluate(model, val_split, tc.batch_size, tc.eval_batches, ctx=ctx)
+            result.val_loss, _ = evaluate(
+                model, val_split, tc.batch_size, tc.eval_batches, ctx=ctx, precision=precision
+            )
             record["val_loss"] = result.val_loss
             point = {"step": done, "seconds": elapsed, "flops": done * flops_per_step, "val_loss": result.val_loss}
             if causal_eval:
                 result.val_loss_causal, causal_metrics = evaluate(
-                    model, val_split, tc.batch_size, tc.eval_batches, routing="causal", ctx=ctx
+                    model, val_split, tc.batch_size, tc.eval_batches, routing="causal", ctx=ctx, precision=precision
                 )
                 point["val_loss_causal"] = record["val_loss_causal"] = result.val_loss_causal
                 record.update({f"{k}@causal_eval": v for k, v in causal_metrics.items() if "causal_share" in k})

@@ -71,14 +71,24 @@ class ExpertMLP(nn.Module):
         name = resolve_name(self.backend, x.device, x.dtype, d_model, d_ff, rows)
         return ENTRY_POINTS[name] == "scattered" and not torch.compiler.is_compiling()
 
+    def _in_compute_dtype(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """x, w1, w2, w3 in the dtype the experts compute in: autocast's (bf16 under
+        ``train.precision=bf16``) when autocast is on for x's device, else x's own. The grouped
+        GEMM ops are not autocast-aware, so the cast happens here, as autocast does for linears."""
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        return tuple(None if t is None else t.to(dtype) for t in (x, self.w1, self.w2, self.w3))
+
     def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, D] rows sorted by expert, counts [E] rows per expert -> [M, D] (grouped GEMMs;
         a ``scattered`` backend uses its grouped fallback here)."""
-        d_model, d_ff = self.w1.shape[1:]
+        x, w1, w2, w3 = self._in_compute_dtype(x)
+        d_model, d_ff = w1.shape[1:]
         gmm = get_backend(self.backend, x.device, x.dtype, d_model, d_ff)
-        h = gmm(x, self.w1, counts)
-        h = expert_activation(h, gmm(x, self.w3, counts) if self.w3 is not None else None)
-        return gmm(h, self.w2, counts)
+        with torch.autocast(x.device.type, enabled=False):
+            h = gmm(x, w1, counts)
+            h = expert_activation(h, gmm(x, w3, counts) if w3 is not None else None)
+            return gmm(h, w2, counts)
 
     forward = forward_sorted
 
@@ -88,7 +98,8 @@ class ExpertMLP(nn.Module):
         """x [N, D] in token order; token_idx, weights [M] each assignment's token and combine
         weight, grouped by expert; counts [E] -> ``out[n] = sum of weights[m] *
         expert_m(x[n])`` over n's assignments ([N, D]): gather and combine fused in."""
-        return chunked_experts(x, token_idx, counts, weights.to(x.dtype), self.w1, self.w2, self.w3)
+        x, w1, w2, w3 = self._in_compute_dtype(x)
+        return chunked_experts(x, token_idx, counts, weights.to(x.dtype), w1, w2, w3)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """x: [E, C, D] padded per-expert buffers -> [E, C, D] with batched matmuls."""
