@@ -194,6 +194,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set(xlabel="sequence length", ylabel="MiB", title=title, xscale="log", yscale="log")
         ax.set_xticks([r["seq"] for r in rows if r["what"] == rows[0]["what"]], minor=False)
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
