@@ -137,7 +137,9 @@ class MoDETransformer(nn.Module):
         """Sample ``max_new_tokens`` tokens after ``idx`` ([B, T0]) -> [B, T0 + max_new_tokens].
 
         With a KV cache (default when every routed module decides per token, see
-        ``supports_causal``), routing is causal and a skipped token writes no cache entry.
+        ``supports_causal``, and prompt + new tokens fit in ``seq_len``), routing is causal and
+        a skipped token writes no cache entry; ``use_cache=True`` past ``seq_len`` raises
+        ``ValueError`` (the cache cannot drop old tokens).
         Without it (the exact fallback for every other model: a MoD block without a causal
         method, a capacity MoE, expert-choice experts), each step re-runs the model's own
         top-k forward on the last ``seq_len`` tokens. ``use_cache=True`` on a model that
@@ -154,11 +156,11 @@ class MoDETransformer(nn.Module):
             check_int("top_k", top_k)
             if top_k < 1:
                 fail("top_k", top_k, "must be >= 1, or None for no top-k filter")
+        total = idx.shape[1] + max_new_tokens
         if use_cache is None:
-            use_cache = self.supports_causal()
+            use_cache = self.supports_causal() and total <= self.cfg.seq_len
         elif use_cache:
             check_causal(self, "generate(use_cache=True)")
-        total = idx.shape[1] + max_new_tokens
         if use_cache and total > self.cfg.seq_len:
             raise ValueError(
                 f"prompt length {idx.shape[1]} + max_new_tokens={max_new_tokens} = {total} runs past "

@@ -68,7 +68,12 @@ CASES = [
     ("generate-temperature", lambda t: lm().generate(ids(1, 4), 2, temperature=-1.0), ValueError, "temperature"),
     ("generate-top-k", lambda t: lm().generate(ids(1, 4), 2, top_k=0), ValueError, "top_k=0"),
     ("generate-negative-n", lambda t: lm().generate(ids(1, 4), -1), ValueError, "max_new_tokens=-1"),
-    ("generate-past-positions", lambda t: lm("model.layout=dense").generate(ids(1, 30), 8), ValueError, "seq_len=32"),
+    (
+        "generate-past-positions",
+        lambda t: lm("model.layout=dense").generate(ids(1, 30), 8, use_cache=True),
+        ValueError,
+        "seq_len=32",
+    ),
     # configs and the CLI
     ("config-unknown-preset", lambda t: load_config("mdo"), ValueError, "did you mean"),
     ("config-unknown-key", lambda t: load_config(None, ["model.n_layer=3"]), ValueError, "n_layers"),
@@ -101,3 +106,9 @@ def test_a_rank_may_hold_an_empty_batch():
     """Layers accept zero tokens (under expert parallelism a rank can hold none)."""
     assert mode.DroplessMoE(D, 32, 4)(torch.randn(0, D)).shape == (0, D)
     assert mode.MoDBlock(D, 2)(torch.randn(0, 8, D)).shape == (0, 8, D)
+
+
+def test_generate_past_seq_len_slides_its_window_by_default():
+    model = lm("model.layout=dense").eval()
+    out = model.generate(ids(1, 30), 8, temperature=0)
+    assert out.shape == (1, 38)
