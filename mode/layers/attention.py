@@ -62,24 +62,12 @@ class CausalSelfAttention(nn.Module):
         B, H, T, Dh = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, H * Dh))
 
-    def attend(
-        self, x: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, D] -> (out [B, T, D], k, v [B, H, T, Dh]).
-
-        ``key_mask`` ([B, T] bool) restricts the keys to the marked tokens (causal routing:
-        only routed tokens are visible); every query also sees itself, so rows stay finite.
-        """
+    def attend(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, D] -> (out [B, T, D], k, v [B, H, T, Dh]), causal over the given order."""
         q, k, v = self.project_qkv(x, positions)
-        if key_mask is None:
-            # NOTE: positions are ascending within a row, so "causal in token order" is
-            # "causal by original position".
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            T = x.shape[1]
-            causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device))
-            allowed = causal & (key_mask[:, None, :] | torch.eye(T, dtype=torch.bool, device=x.device))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+        # NOTE: positions are ascending within a row, so "causal in token order" is "causal by
+        # original position" (a routed block passes its chosen tokens in position order).
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.output(y), k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -56,18 +56,17 @@ class TransformerBlock(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
-        key_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """f(x): the block's residual update, so that ``forward(x) = x + f(x)``. With
-        ``key_mask`` ([B, T]) attention sees only the marked tokens, and only they are cached;
-        ``cache_keep`` ([B, T]) marks the tokens to cache when there is no key mask."""
+        """f(x): the block's residual update, so that ``forward(x) = x + f(x)``. With a
+        ``cache``, the keys/values of the tokens marked by ``cache_keep`` ([B, T]; all when
+        None) are stored in it."""
         if positions is None:
             positions = default_positions(x)
-        h, k, v = self.attn.attend(self.norm1(x), positions, key_mask)
+        h, k, v = self.attn.attend(self.norm1(x), positions)
         if cache is not None:
-            cache.fill(k, v, key_mask if key_mask is not None else cache_keep)
+            cache.fill(k, v, cache_keep)
         return h + self.mlp(self.norm2(x + h))
 
     def delta_decode(
