@@ -11,7 +11,7 @@ to the builders.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -302,24 +302,8 @@ def _build(layers: list) -> Config:
         if isinstance(cause, ConfigError):
             raise cause from None
         key = getattr(err, "full_key", None) or "config"
-        message = str(err).splitlines()[0]
-        hint = "" if "did you mean" in message.lower() else _closest_key(key)
-        raise ValueError(f"{key}: {message}{hint}") from None
-
-
-def _closest_key(full_key: str) -> str:
-    """' (did you mean ...?)' for a misspelt ``a.b.c`` key: the nearest field of its parent."""
-    *parents, leaf = full_key.split(".")
-    node: object = Config
-    for part in parents:
-        types = {f.name: f.type for f in fields(node)} if is_dataclass(node) else {}
-        node = _FIELD_TYPES.get(types.get(part, ""), None)
-        if node is None:
-            return ""
-    if not is_dataclass(node):
-        return ""
-    hint = closest(leaf, [f.name for f in fields(node)])
-    return hint.replace("'", "'" + ".".join(parents) + ".", 1) if hint and parents else hint
+        # omegaconf's message already names the closest field for a misspelt key
+        raise ValueError(f"{key}: {str(err).splitlines()[0]}") from None
 
 
 def to_yaml(cfg: Config) -> str:
@@ -328,7 +312,3 @@ def to_yaml(cfg: Config) -> str:
 
 def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
-
-
-# Annotations are strings (``from __future__ import annotations``): the nested config types by name.
-_FIELD_TYPES = {c.__name__: c for c in (ModelConfig, RoutingConfig, MoEConfig, DataConfig, TrainConfig, ParallelConfig)}
