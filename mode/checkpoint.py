@@ -130,9 +130,7 @@ def load_checkpoint(
 def checkpoint_config(path: str | Path) -> Config:
     """The config a checkpoint was trained with (a ``ckpt.pt`` file or a ``ckpt/`` directory)."""
     path = Path(path)
-    # NOTE: mmap, so that reading the config of a ckpt.pt does not read its tensors.
-    file = path / "extra.pt" if path.is_dir() else path
-    state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+    state = _progress_state(path)
     if "config" not in state:
         raise ValueError(f"{path} holds no training config (it was not written by mode.train)")
     return from_dict(state["config"])
@@ -200,12 +198,15 @@ def save_sharded(
         for f in tmp.iterdir():
             with open(f, "rb") as handle:
                 os.fsync(handle.fileno())
-        old = _history_name(path) if keep > 1 and path.exists() else path.with_name(path.name + ".old")
+        # The last good checkpoint is moved aside (kept under its step when keep > 1), never
+        # deleted before the new one is in place: a kill between the two renames leaves it.
+        old = None
         if path.exists():
+            old = _history_name(path) if keep > 1 else path.with_name(path.name + ".old")
             path.replace(old)
         tmp.replace(path)
         _fsync_dir(path.parent)
-        if old.exists() and old.suffix == ".old":
+        if old is not None and keep == 1:
             shutil.rmtree(old)
         _prune_history(path, keep)
     _barrier()
@@ -247,13 +248,15 @@ def latest(path: str | Path) -> Path | None:
     return history[-1] if history else None
 
 
-def _step_of(path: Path) -> int:
-    extra = path / "extra.pt" if path.is_dir() else path
-    return int(torch.load(extra, map_location="cpu", weights_only=False, mmap=True)["step"])
+def _progress_state(path: Path) -> dict:
+    """The step, progress and config a checkpoint of either kind keeps (a ``ckpt.pt``'s whole
+    state, memory-mapped so that its tensors are not read; a directory's ``extra.pt``)."""
+    file = path / "extra.pt" if path.is_dir() else path
+    return torch.load(file, map_location="cpu", weights_only=False, mmap=True)
 
 
 def _history_name(path: Path) -> Path:
-    return path.with_name(f"{path.name}.step{_step_of(path)}")
+    return path.with_name(f"{path.name}.step{int(_progress_state(path)['step'])}")
 
 
 def _history(path: Path) -> list[Path]:
@@ -267,5 +270,6 @@ def _history(path: Path) -> list[Path]:
 
 
 def _prune_history(path: Path, keep: int) -> None:
-    for old in _history(path)[: max(0, len(_history(path)) - (keep - 1))]:
+    history = _history(path)
+    for old in history[: max(0, len(history) - (keep - 1))]:
         shutil.rmtree(old) if old.is_dir() else old.unlink()

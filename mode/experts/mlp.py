@@ -20,7 +20,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from mode.checks import check_choice, check_int, fail
+from mode.checks import check_choice, check_int, check_positive
 from mode.experts.chunked import chunked_experts, expert_activation
 from mode.experts.grouped_gemm import ENTRY_POINTS, get_backend, resolve_name
 
@@ -42,8 +42,7 @@ class ExpertMLP(nn.Module):
         check_choice("mlp", mlp, MLP_KINDS)
         for name, value in (("n_experts", n_experts), ("d_model", d_model), ("d_ff", d_ff)):
             check_int(name, value)
-            if value <= 0:
-                fail(name, value, "must be > 0")
+            check_positive(name, value)
         self.mlp = mlp
         self.backend = backend
         self.active_fraction = 1.0  # share of these weights a token uses (set by the MoE layer)

@@ -192,7 +192,8 @@ class MoELayer(Routed):
         return router_projection(x, self.router.weight)
 
     def route(self, x: torch.Tensor, seq_shape: tuple[int, ...]) -> tuple[TokenChoice, torch.Tensor]:
-        """Top-k token choice on x: [N, D]; records losses and load. Returns the choice and logits."""
+        """Top-k token choice on x: [N, D]; records the balance and z-losses and the load.
+        Returns the choice and logits."""
         logits = self.router_logits(x)
         bias = self.selection_bias if self.bias_rate else None
         choice = token_choice_topk(logits, self.top_k, self.renormalize, bias)
@@ -216,6 +217,7 @@ class MoELayer(Routed):
             self.metrics["noop_share"] = load[self.n_experts :].sum()
         if self.training and self.bias_rate:
             self._load_sum += load
+        self.record_aux("z_loss", router_z_loss(logits, finite), self.z_coef)
         return choice, logits
 
     def after_optimizer_step(self) -> None:
@@ -240,8 +242,7 @@ class MoELayer(Routed):
 
     def _routed(self, x2: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The routed experts' output for x2 [N, D] -> [N, D] (``shape``: x's own shape)."""
-        choice, logits = self.route(x2, shape)
-        self.record_aux("z_loss", router_z_loss(logits, torch.isfinite(logits).all(dim=-1)), self.z_coef)
+        choice, _ = self.route(x2, shape)
         return self._compute(x2, choice)
 
     def _compute(self, x2: torch.Tensor, choice: TokenChoice) -> torch.Tensor:

@@ -45,15 +45,13 @@ def load_balance_loss(
             [load_balance_loss(p, e, target, v) for p, e, v in zip(probs, experts, rows, strict=True)]
         ).mean()
     probs = probs.float()
-    ones = torch.ones(experts.shape, device=probs.device)
-    n = probs.shape[0]
+    ones = torch.ones(experts.shape, device=probs.device)  # [N, K]: one per counted assignment
     if valid is not None:
         probs = torch.where(valid.unsqueeze(-1), probs, 0.0)
         ones = ones * valid.unsqueeze(-1)
-        n = valid.sum()
     counts = torch.zeros(E, device=probs.device).index_add_(0, experts.reshape(-1), ones.reshape(-1))
     f = counts / ones.sum().clamp_min(1)
-    P = probs.sum(dim=0) / (n.clamp_min(1) if isinstance(n, torch.Tensor) else max(1, n))  # empty batch: 0
+    P = probs.sum(dim=0) / ones[:, 0].sum().clamp_min(1)  # over the counted tokens; empty batch: 0
     return (f * P / target).sum()
 
 
