@@ -5,7 +5,7 @@ from mode.experts.moe import CapacityMoE, DroplessMoE, ExpertChoiceMoE
 from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoEBlock
 from mode.layers.mod import MoDBlock, StagedMoDEBlock
 from mode.model import MoDETransformer
-from mode.routed import aux_loss, routing_metrics
+from mode.routed import after_optimizer_step, aux_loss, routing_metrics
 
 __version__ = "0.1.0"
 
@@ -23,5 +23,6 @@ __all__ = [
     "aux_loss",
     "load_config",
     "routing_metrics",
+    "after_optimizer_step",
     "__version__",
 ]

@@ -4,11 +4,13 @@ Two on-disk kinds, chosen by the run, read by the same ``load``:
 
 - single process: one file (``ckpt.pt``, ``torch.save`` of model, optimizer, progress and
   config), readable with plain ``torch.load`` and memory-mapped by ``checkpoint_config``;
-- under a process group: a ``torch.distributed.checkpoint`` (DCP) directory (``ckpt/``).
-  Expert shards are saved as DTensors placed ``[Replicate() over dp, Shard(0) over ep]``, so a
-  checkpoint written with one ``ep_size`` loads into another (1 included, in a plain single
-  process); replicated parameters are plain tensors written once; the optimizer state is
-  per rank (``optimizer_rank{r}.pt``) and progress + config sit in ``extra.pt``.
+- under a process group: a ``torch.distributed.checkpoint`` (DCP) directory (``ckpt/``) of
+  the FSDP2-sharded model and optimizer state (``{"model": ..., "optim": {param name:
+  AdamW state}}``), each rank writing its shards. Expert weights (and their optimizer
+  state) are saved as DTensors of the global shape ``[E, ...]`` placed ``[Shard(1) over dp,
+  Shard(0) over ep]``, every other tensor as FSDP shards it, so a checkpoint loads into any
+  other ``dp`` x ``ep`` layout, and into a plain single process (model and optimizer);
+  progress + config sit in ``extra.pt``.
 
 NOTE: two kinds rather than DCP for both: a single-process user gets one portable file
 that ``torch.load`` reads without a process group, DCP's planner or a directory layout.
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from mode.config import Config, from_dict, to_dict
 from mode.parallel.expert_parallel import expert_parameters
@@ -95,20 +97,13 @@ def load(
 ) -> Progress:
     """Restore model (and optimizer, RNG states) from either kind; returns the progress.
 
-    A DCP directory loads into a single process (``ctx`` None) whatever ``ep_size`` wrote
-    it, model weights only: its optimizer state is per rank, so it resumes only under
-    torchrun on its own layout (``ValueError`` when asked for the optimizer).
+    A DCP directory loads on any ``dp`` x ``ep`` layout, and into a single process (``ctx``
+    None), model and optimizer; the optimizer must be an AdamW over ``model``'s parameters.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     if path.is_dir():
-        if optimizer is not None and ctx is None:
-            raise ValueError(
-                f"{path} is an expert-parallel checkpoint: its optimizer state is per rank, so it "
-                "resumes only under torchrun with the same parallel.dp_size and parallel.ep_size; "
-                "load it without an optimizer to use the model"
-            )
         return _restore(load_sharded(path, model, ctx, optimizer), data_rng)
     state = torch.load(path, map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
@@ -159,17 +154,48 @@ def _fsync_dir(path: Path) -> None:
 
 
 # -- the DCP directory kind ------------------------------------------------------------------
-def sharded_state_dict(model: nn.Module, ctx: ParallelContext | None) -> dict[str, torch.Tensor]:
-    """The model's state dict with expert shards wrapped as DTensors of the global shape."""
-    state = model.state_dict()
+def _global_view(t: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """An expert tensor of this rank (its ep slice ``[E_l, ...]``, FSDP-sharded over dp along
+    dim 1) as a DTensor of the global ``[E, ...]`` over the (dp, ep) mesh, sharing storage."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    shape = (t.shape[0] * ctx.ep_size, *t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, ctx.mesh, [Shard(1), Shard(0)], run_check=False, shape=shape, stride=stride)
+
+
+def _expert_names(model: nn.Module, ctx: ParallelContext | None) -> set[str]:
     if ctx is None or ctx.ep_size == 1:
-        return state
-    expert_ids = {id(p) for p in expert_parameters(model)}
-    names = {n for n, p in model.named_parameters() if id(p) in expert_ids}
-    return {
-        k: DTensor.from_local(v, ctx.mesh, [Replicate(), Shard(0)], run_check=False) if k in names else v
-        for k, v in state.items()
-    }
+        return set()  # experts are whole on every rank (or FSDP-sharded like any weight)
+    ids = {id(p) for p in expert_parameters(model)}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def sharded_state_dict(model: nn.Module, ctx: ParallelContext | None) -> dict[str, torch.Tensor]:
+    """The model's state dict (FSDP2: DTensor shards) with expert shards as global DTensors;
+    its tensors share storage with the model, so ``dcp.load`` into it loads the model."""
+    experts = _expert_names(model, ctx)
+    return {k: _global_view(v, ctx) if k in experts else v for k, v in model.state_dict().items()}
+
+
+def optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext | None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``{parameter name: AdamW state}`` (tensors shared with the optimizer; expert state as
+    global DTensors). A parameter without state yet gets AdamW's initial one (step 0, zero
+    moments), so that a fresh optimizer has tensors for ``dcp.load`` to fill."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    experts = _expert_names(model, ctx)
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state.get(p):
+                zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
+                optimizer.state[p] = {"step": torch.zeros(()), "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+            name = names[id(p)]
+            out[name] = {
+                k: _global_view(v, ctx) if name in experts and v.dim() else v for k, v in optimizer.state[p].items()
+            }
+    return out
 
 
 def save_sharded(
@@ -180,7 +206,7 @@ def save_sharded(
     optimizer: torch.optim.Optimizer | None = None,
     keep: int = 1,
 ) -> None:
-    """Save the model (sharded), per-rank optimizer state and ``extra`` (rank 0) atomically
+    """Save the model and optimizer state (sharded) and ``extra`` (rank 0) atomically
     (``keep``: see ``save``)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -188,9 +214,10 @@ def save_sharded(
     if rank == 0 and tmp.exists():
         shutil.rmtree(tmp)
     _barrier()
-    dcp.save(sharded_state_dict(model, ctx), checkpoint_id=str(tmp))
+    state = {"model": sharded_state_dict(model, ctx)}
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / f"optimizer_rank{rank}.pt")
+        state["optim"] = optimizer_state_dict(model, optimizer, ctx)
+    dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0 and extra is not None:
         torch.save(extra, tmp / "extra.pt")
     _barrier()
@@ -215,16 +242,13 @@ def save_sharded(
 def load_sharded(
     path: str | Path, model: nn.Module, ctx: ParallelContext | None, optimizer: torch.optim.Optimizer | None = None
 ) -> dict:
-    """Load a checkpoint saved by ``save_sharded`` into ``model`` on any ep layout; returns
-    ``extra``. The optimizer state is per rank, so it loads only on the layout it was saved with."""
+    """Load a checkpoint saved by ``save_sharded`` into ``model`` (and ``optimizer``) on any
+    dp x ep layout, in place; returns ``extra``."""
     path = Path(path)
-    state = sharded_state_dict(model, ctx)
-    dcp.load(state, checkpoint_id=str(path))
-    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
-    model.load_state_dict(local)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = {"model": sharded_state_dict(model, ctx)}
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / f"optimizer_rank{rank}.pt", weights_only=False))
+        state["optim"] = optimizer_state_dict(model, optimizer, ctx)
+    dcp.load(state, checkpoint_id=str(path))
     extra = path / "extra.pt"
     return torch.load(extra, weights_only=False) if extra.exists() else {}
 

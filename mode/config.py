@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mode.checks import ConfigError, check_choice, check_int, check_positive, check_range, closest, fail
 from mode.experts.moe import check_moe_args, expert_width
+from mode.layers.checkpointing import ACTIVATION_CHECKPOINTS
 from mode.layers.kinds import BLOCK_KINDS
 from mode.layers.mod import check_mod_args
 from mode.precision import PRECISIONS
@@ -98,7 +99,7 @@ class MoEConfig:
     n_noop: int = 0
     noop_share: float = 0.5
     lb_coef: float = 0.01
-    lb_scope: str = "batch"
+    lb_scope: str = "micro_batch"  # micro_batch | sequence | global_batch (mode.routing.losses)
     z_coef: float = 0.001
     bias_rate: float = 0.0
 
@@ -197,6 +198,11 @@ class TrainConfig:
     device: str = "cpu"
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 weights) | auto (bf16 where faster): mode.precision
     max_bad_steps: int = 3  # consecutive non-finite steps (skipped) before training stops
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (batch_size / world split into them)
+    activation_checkpoint: str = "none"  # none | full | every_n (mode.layers.checkpointing)
+    activation_checkpoint_every: int = 2  # every_n: checkpoint blocks 0, n, 2n, ...
+    compile: bool = False  # torch.compile each block (mode.compile)
+    profile_steps: list[int] = field(default_factory=list)  # [first, last]: torch.profiler trace to out_dir
     threads: int = 0  # torch.set_num_threads; 0 = leave the default
     progress: bool = True
 
@@ -218,6 +224,15 @@ class TrainConfig:
         check_positive("train.max_bad_steps", self.max_bad_steps)
         check_positive("train.keep_checkpoints", self.keep_checkpoints)
         check_choice("train.precision", self.precision, PRECISIONS)
+        check_positive("train.grad_accum_steps", self.grad_accum_steps)
+        if self.batch_size % self.grad_accum_steps:
+            fail("train.grad_accum_steps", self.grad_accum_steps, f"must divide train.batch_size={self.batch_size}")
+        check_choice("train.activation_checkpoint", self.activation_checkpoint, ACTIVATION_CHECKPOINTS)
+        check_positive("train.activation_checkpoint_every", self.activation_checkpoint_every)
+        if self.profile_steps and (
+            len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]
+        ):
+            fail("train.profile_steps", list(self.profile_steps), "must be [first, last] with 1 <= first <= last")
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 
 Precision = Literal["fp32", "bf16", "auto"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+PRECISION_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}  # resolved names
 BF16_MIN_SPEEDUP = 1.3
 
 

@@ -8,8 +8,13 @@ This module is a leaf: it imports nothing of ours.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
+
+_recompute_depth = 0  # > 0 while activation checkpointing re-runs a block's forward
 
 
 def router_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -19,6 +24,36 @@ def router_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     dtype = torch.promote_types(x.dtype, torch.float32)
     with torch.autocast(x.device.type, enabled=False):
         return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
+
+
+class Router(nn.Linear):
+    """A bias-free router projection ``[..., D] -> [..., R]`` computed in at least float32
+    (``router_projection``). A module (not a bare weight) so that FSDP2 can keep it in its own
+    float32 unit while the rest of a block is gathered in bf16."""
+
+    def __init__(self, d_model: int, n_out: int) -> None:
+        super().__init__(d_model, n_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return router_projection(x, self.weight)
+
+
+def recomputing() -> bool:
+    """True while activation checkpointing re-runs a forward for the backward pass: routed
+    modules then compute exactly what they computed before but update no state (running
+    statistics, load counters), so a checkpointed step updates them once."""
+    return _recompute_depth > 0
+
+
+@contextlib.contextmanager
+def recompute_scope() -> Iterator[None]:
+    """Mark the forwards run inside as recomputations (see ``recomputing``)."""
+    global _recompute_depth
+    _recompute_depth += 1
+    try:
+        yield
+    finally:
+        _recompute_depth -= 1
 
 
 class Routed(nn.Module):
@@ -73,6 +108,17 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
         p = next(model.parameters(), None)
         return torch.zeros((), device=p.device if p is not None else "cpu")
     return torch.stack([t.float() for t in terms]).sum()
+
+
+def after_optimizer_step(model: nn.Module, apply: bool = True) -> None:
+    """Call every submodule's ``after_optimizer_step(apply)`` hook: the state that moves once
+    per optimizer step from what the step's forwards recorded (aux-loss-free expert biases,
+    the predictor's running threshold). Call it after ``optimizer.step()`` in your own
+    training loop (``mode.train`` does); ``apply=False`` (a skipped step) discards the record."""
+    for m in model.modules():
+        hook = getattr(m, "after_optimizer_step", None)
+        if callable(hook) and m is not model:
+            hook(apply)
 
 
 def routing_metrics(model: nn.Module) -> dict[str, float | list[float]]:

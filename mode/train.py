@@ -1,8 +1,11 @@
 """Training loop and the ``mode-train`` CLI.
 
-AdamW, cosine schedule with linear warm-up, gradient clipping, eval every N steps, a tqdm
-progress bar, metrics to ``<out_dir>/metrics.jsonl`` and checkpoint + resume
-(``<out_dir>/ckpt.pt``, or ``ckpt/`` under torchrun; see ``mode.checkpoint``).
+AdamW, cosine schedule with linear warm-up, gradient clipping and accumulation
+(``mode.step``), eval every N steps, a tqdm progress bar, metrics (losses, routing health,
+tokens/s, MFU, peak memory) to ``<out_dir>/metrics.jsonl`` and checkpoint + resume
+(``<out_dir>/ckpt.pt``, or ``ckpt/`` under torchrun; see ``mode.checkpoint``). Optional:
+bf16 autocast, per-block ``torch.compile`` and activation checkpointing, a profiler trace.
+Under torchrun: FSDP2 over the (dp, ep) mesh (``mode.parallel.fsdp``).
 
     mode-train --config mod model.n_layers=8 train.steps=500
     mode-train --config path/to/my.yaml --print-flops
@@ -18,50 +21,33 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mode import checkpoint
-from mode.config import Config, ModelConfig, TrainConfig, load_config, preset_names, to_dict
+from mode import checkpoint, telemetry
+from mode.compile import compile_blocks
+from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
 from mode.data import TokenSplit, load_splits
 from mode.flops import print_flops, train_flops_per_step
+from mode.layers.checkpointing import checkpoint_blocks
 from mode.layers.kinds import BLOCK_KINDS
 from mode.layers.mod import MoDBlock
 from mode.model import MoDETransformer
-from mode.parallel.expert_parallel import (
-    clip_grad_norm,
-    parallelize,
-    reduce_expert_grads,
-    sync_load_statistics,
-    sync_running_thresholds,
-    wrap_data_parallel,
-)
+from mode.parallel.expert_parallel import parallelize, set_balance_group
+from mode.parallel.fsdp import shard_model
 from mode.parallel.mesh import ParallelContext, destroy, init_mesh
-from mode.precision import autocast, resolve
-from mode.routed import aux_loss, health_warnings, routing_metrics
-
-
-def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
-    """Linear warm-up to ``lr`` then cosine decay to ``min_lr`` at ``steps``, or at
-    ``max_seconds`` of wall-clock when that comes first (time-budgeted runs decay too)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    if cfg.max_seconds:
-        progress = max(progress, min(1.0, elapsed / cfg.max_seconds))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=False)
+from mode.precision import PRECISION_DTYPES, autocast, resolve
+from mode.routed import health_warnings, routing_metrics
+from mode.step import (  # noqa: F401  (re-exported: the step's pieces were defined here before)
+    LMObjective,
+    NonFiniteTrainingError,
+    StepResult,
+    build_optimizer,
+    lr_at,
+    train_step,
+)
 
 
 @torch.no_grad()
@@ -94,89 +80,6 @@ def evaluate(
                 metrics[key] = metrics.get(key, 0.0) + value / n_batches
     model.train(was_training)
     return sum(losses) / len(losses), metrics
-
-
-def after_optimizer_step(model: torch.nn.Module) -> None:
-    """Let modules update non-gradient state (e.g. aux-loss-free expert biases)."""
-    for m in model.modules():
-        hook = getattr(m, "after_optimizer_step", None)
-        if callable(hook) and m is not model:
-            hook()
-
-
-def train_step(
-    model: MoDETransformer,
-    opt: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    grad_clip: float = 0.0,
-    ctx: ParallelContext | None = None,
-    objective: torch.nn.Module | None = None,
-    precision: str = "fp32",
-) -> StepResult:
-    """One optimizer step on a batch: x, y [B, T] token ids -> ``StepResult``.
-
-    Forward (through ``objective``, e.g. a DDP wrapper of ``LMObjective(model)``; default
-    ``LMObjective(model)``), LM loss plus the routed modules' auxiliary losses, backward,
-    expert-gradient reduction and load sync under expert parallelism (``ctx``), clipping when
-    ``grad_clip`` > 0, the optimizer step, and the modules' post-step hooks
-    (``after_optimizer_step``). ``precision`` (resolved: "fp32" or "bf16") sets the forward's
-    autocast (``mode.precision``).
-
-    A step whose loss or gradient norm is not finite (on any rank) is skipped: gradients are
-    dropped, the weights, optimizer state and routing state are left as they were, and the
-    result says ``skipped``.
-    """
-    with autocast(precision, x.device):
-        loss, aux = (objective or LMObjective(model))(x, y)
-    total = loss + aux
-    total.backward()
-    if ctx is not None:
-        reduce_expert_grads(model, ctx)
-        sync_running_thresholds(model, ctx)
-    grad_norm = clip_grad_norm(model, grad_clip or math.inf, ctx)
-    finite = (torch.isfinite(total.detach()) & torch.isfinite(grad_norm)).float()
-    if ctx is not None:
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips the same steps
-    if not finite.item():
-        opt.zero_grad(set_to_none=True)
-        return StepResult(loss, aux, grad_norm, skipped=True)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if ctx is not None:
-        sync_load_statistics(model, ctx)
-    after_optimizer_step(model)
-    return StepResult(loss, aux, grad_norm)
-
-
-class LMObjective(torch.nn.Module):
-    """``(x, y) -> (LM loss, auxiliary loss)`` of ``model`` on a batch: the module that DDP
-    wraps, so that parameters only an auxiliary loss reaches (the routing predictor, trained by
-    its BCE alone) are part of the forward's output. (DDP with unused-parameter detection
-    marks parameters it cannot reach from the output ready at the end of the forward, and
-    their gradient then arrives a second time.)"""
-
-    def __init__(self, model: MoDETransformer) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, loss = self.model(x, y)
-        return loss, aux_loss(self.model)
-
-
-class StepResult(NamedTuple):
-    """What ``train_step`` did: the LM loss, the auxiliary loss, the gradient norm before
-    clipping, and whether the step was skipped for a non-finite loss or gradient."""
-
-    loss: torch.Tensor
-    aux: torch.Tensor
-    grad_norm: torch.Tensor
-    skipped: bool = False
-
-
-class NonFiniteTrainingError(RuntimeError):
-    """``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient."""
 
 
 @dataclass
@@ -223,6 +126,25 @@ def _mean_over_ranks(value: float, ctx: ParallelContext | None) -> float:
     return t.item() / ctx.world_size
 
 
+def prepare_model(
+    model: MoDETransformer, cfg: Config, ctx: ParallelContext | None = None, precision: str = "fp32"
+) -> MoDETransformer:
+    """Make ``model`` (whole, identical on every rank) what ``cfg.train`` and ``ctx`` ask for,
+    in torchtitan's order: experts split over "ep" and the balance group set, activation
+    checkpointing, per-block compile, FSDP2 (``mode.parallel.fsdp``). Build the optimizer
+    after this; ``mode.checkpoint.load`` loads a checkpoint of any layout into the result."""
+    tc = cfg.train
+    if ctx is not None:
+        parallelize(model, ctx)
+        set_balance_group(model, dist.group.WORLD)  # every rank reads different rows
+    checkpoint_blocks(model.blocks, tc.activation_checkpoint, tc.activation_checkpoint_every)
+    if tc.compile:
+        compile_blocks(model)
+    if ctx is not None:
+        shard_model(model, ctx, precision)
+    return model
+
+
 def train(
     cfg: Config, model: MoDETransformer | None = None, stop_at: int | None = None
 ) -> tuple[MoDETransformer, TrainResult]:
@@ -232,9 +154,10 @@ def train(
     would; a later run with ``train.resume=true`` continues it exactly.
 
     Under ``torchrun`` the global batch ``train.batch_size`` is split over the ranks (each
-    reads its own rows of the same sampled windows), experts are sharded over the "ep"
-    group, replicated parameters are averaged by DDP, and rank 0 alone logs and shows progress;
-    checkpoints are sharded (``torch.distributed.checkpoint``).
+    reads its own rows of the same sampled windows), experts are split over the "ep" group
+    and every weight is sharded by FSDP2 (``mode.parallel.fsdp``), the balance loss with
+    ``lb_scope="global_batch"`` sees every rank's tokens, and rank 0 alone logs and shows
+    progress; checkpoints are sharded (``torch.distributed.checkpoint``).
     """
     tc = cfg.train
     if tc.threads:
@@ -248,11 +171,8 @@ def train(
         cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir
     )
     _check_vocab(cfg.model, vocab)
-    model = (model or MoDETransformer(cfg.model)).to(device)
+    model = prepare_model((model or MoDETransformer(cfg.model)).to(device), cfg, ctx, precision)
     objective = LMObjective(model)
-    if ctx is not None:
-        parallelize(model, ctx)
-        objective = wrap_data_parallel(objective, ctx)
     opt = build_optimizer(model, tc)
     out_dir = Path(tc.out_dir)
     ckpt = out_dir / ("ckpt" if ctx else "ckpt.pt")
@@ -268,6 +188,15 @@ def train(
     log = open(out_dir / "metrics.jsonl", "a" if start else "w") if rank == 0 else None  # noqa: SIM115
     rows = slice(rank * tc.batch_size // world, (rank + 1) * tc.batch_size // world)
     flops_per_step = train_flops_per_step(cfg.model, tc.batch_size)
+    peak_flops, peak_how = telemetry.measure_peak_flops(device, PRECISION_DTYPES[precision])
+    if rank == 0 and tc.progress:
+        tqdm.write(
+            f"{cfg.name}: precision {precision}; MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how})"
+        )
+    profiler = telemetry.StepProfiler(out_dir, list(tc.profile_steps), rank)
+    if rank == 0:
+        info = {"precision": precision, "world_size": world, "peak_flops_per_rank": peak_flops, "peak_how": peak_how}
+        (out_dir / "run_info.json").write_text(json.dumps(info, indent=2))
     result = TrainResult(steps=start, train_loss=float("nan"), val_loss=float("nan"), precision=precision)
     # Models with MoD blocks that can decide per token are also evaluated in causal mode.
     causal_eval = model.supports_causal() and any(isinstance(b, MoDBlock) for b in model.blocks)
@@ -287,10 +216,22 @@ def train(
             group["lr"] = lr
         x, y = train_split.batch(tc.batch_size, gen)  # the global batch; this rank takes its rows
         t0 = time.perf_counter()
+        profiler.begin(step + 1)
         loss, aux, grad_norm, skipped = train_step(
-            model, opt, x[rows].to(device), y[rows].to(device), tc.grad_clip, ctx, objective, precision
+            model,
+            opt,
+            x[rows].to(device),
+            y[rows].to(device),
+            tc.grad_clip,
+            ctx,
+            objective,
+            precision,
+            tc.grad_accum_steps,
         )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         result.step_times.append(time.perf_counter() - t0)
+        profiler.end(step + 1)
         result.train_loss = _mean_over_ranks(loss.item(), ctx)
         elapsed += time.perf_counter() - t_batch
         if ctx is not None:  # every rank stops at the same step
@@ -303,6 +244,10 @@ def train(
             "lr": lr,
             "step_time": result.step_times[-1],
             "elapsed": elapsed,
+            **telemetry.throughput(
+                tc.batch_size * cfg.model.seq_len, flops_per_step, result.step_times[-1], peak_flops * world
+            ),
+            "peak_memory_mb": telemetry.peak_memory_bytes(device) / 2**20,
         }
         record["grad_norm"] = float(grad_norm)
         bad_steps = bad_steps + 1 if skipped else 0
@@ -357,6 +302,7 @@ def train(
         if out_of_time:
             break
     bar.close()
+    profiler.close()
     if log is not None:
         log.close()
     if saved != result.steps:

@@ -213,9 +213,13 @@ def test_predictor_threshold_tracks_the_kth_score():
 
     x1, x2 = torch.randn(3, 16, 32), torch.randn(3, 16, 32)
     block(x1)
+    assert not pred.calibrated  # the forward records; the step moves it
+    block.predictor.after_optimizer_step()
     assert pred.calibrated
     torch.testing.assert_close(pred.threshold, kth_mean(x1).detach())
     block(x2)
+    block(x2)  # two micro-batches of one step: one move toward their mean
+    mode.after_optimizer_step(block)
     expected = (1 - pred.momentum) * kth_mean(x1) + pred.momentum * kth_mean(x2)
     torch.testing.assert_close(pred.threshold, expected.detach())
     before = pred.threshold.clone()
@@ -302,8 +306,10 @@ def test_predictor_threshold_stays_float32_in_a_bf16_model():
     assert block.predictor.threshold.dtype == torch.float32
     x = torch.randn(2, 16, 32, dtype=torch.bfloat16)
     block(x)
+    mode.after_optimizer_step(block)
     first = block.predictor.threshold.clone()
     block(x + 0.5)
+    mode.after_optimizer_step(block)
     assert block.predictor.threshold.dtype == torch.float32 and block.predictor.threshold != first
     assert block.decision_logits(x).dtype == torch.float32
 

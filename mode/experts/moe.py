@@ -19,14 +19,13 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range, fail
 from mode.experts.dispatch import Dispatcher, LocalDispatcher
 from mode.experts.grouped_gemm import BACKEND_NAMES
 from mode.experts.mlp import MLP_KINDS, ExpertMLP, MlpKind, mlp_flops
 from mode.experts.permute import combine, permute, sort_by_expert, unpermute
-from mode.routed import Routed, router_projection
+from mode.routed import Routed, Router, recomputing
 from mode.routing.losses import (
     LB_SCOPES,
     LbScope,
@@ -68,7 +67,7 @@ def check_moe_args(
     n_noop: int = 0,
     noop_share: float = 0.5,
     lb_coef: float = 0.01,
-    lb_scope: str = "batch",
+    lb_scope: str = "micro_batch",
     z_coef: float = 0.001,
     bias_rate: float = 0.0,
     prefix: str = "",
@@ -128,7 +127,11 @@ class MoELayer(Routed):
         capacity_factor, drop_policy: capacity MoE / expert-choice slots.
         shared_expert: add a dense MLP of width d_ff that every token goes through.
         n_noop, noop_share: no-op experts and their target share in the balance loss.
-        lb_coef, lb_scope, z_coef: load-balance ("batch" or "sequence") and z-loss coefficients.
+        lb_coef, z_coef: load-balance and z-loss coefficients.
+        lb_scope: the tokens the balance loss sees: "micro_batch" (this forward's), "sequence"
+            (each sequence, averaged) or "global_batch" (this forward's on every rank of
+            ``balance_group``, set by ``mode.parallel.expert_parallel.set_balance_group``;
+            the micro-batch in a single process).
         bias_rate: aux-loss-free balancing rate (per-expert selection bias, fp32 buffer).
     """
 
@@ -148,7 +151,7 @@ class MoELayer(Routed):
         n_noop: int = 0,
         noop_share: float = 0.5,
         lb_coef: float = 0.01,
-        lb_scope: LbScope = "batch",
+        lb_scope: LbScope = "micro_batch",
         z_coef: float = 0.001,
         bias_rate: float = 0.0,
     ) -> None:
@@ -158,7 +161,7 @@ class MoELayer(Routed):
         self.renormalize, self.jitter = renormalize, jitter
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.lb_coef, self.lb_scope, self.z_coef, self.bias_rate = lb_coef, lb_scope, z_coef, bias_rate
-        self.router = nn.Linear(d_model, n_experts + n_noop, bias=False)
+        self.router = Router(d_model, n_experts + n_noop)
         self.experts = ExpertMLP(n_experts, d_model, d_ff, mlp, backend)
         real_share = 1.0 - (noop_share if n_noop else 0.0)
         self.experts.active_fraction = min(1.0, top_k * real_share / n_experts)
@@ -167,6 +170,7 @@ class MoELayer(Routed):
         self.register_buffer("selection_bias", torch.zeros(n_experts + n_noop))
         self.register_buffer("_load_sum", torch.zeros(n_experts + n_noop), persistent=False)
         self.dispatcher: Dispatcher = LocalDispatcher()
+        self.balance_group = None  # ranks of the global batch (lb_scope="global_batch"); runtime only
 
     @classmethod
     def from_config(cls, d_model: int, cfg: MoEConfig, d_ff: int, n_noop: int = 0) -> MoELayer:
@@ -189,7 +193,7 @@ class MoELayer(Routed):
         """x: [N, D] -> [N, E0], projected in at least float32 (with input jitter in training)."""
         if self.training and self.jitter:
             x = jitter(x, self.jitter)
-        return router_projection(x, self.router.weight)
+        return self.router(x)
 
     def route(self, x: torch.Tensor, seq_shape: tuple[int, ...]) -> tuple[TokenChoice, torch.Tensor]:
         """Top-k token choice on x: [N, D]; records the balance and z-losses and the load.
@@ -206,7 +210,9 @@ class MoELayer(Routed):
                 choice.probs.view(B, T, -1), choice.experts.view(B, T, -1), self.target, finite.view(B, T)
             )
         else:
-            lb = load_balance_loss(choice.probs, choice.experts, self.target, finite)
+            # Training only: evaluation needs no balance loss, nor a collective per layer.
+            group = self.balance_group if self.lb_scope == "global_batch" and self.training else None
+            lb = load_balance_loss(choice.probs, choice.experts, self.target, finite, group)
         load = expert_load(choice.experts, self.n_experts + self.n_noop)
         self.record_aux("lb_loss", lb, self.lb_coef)
         self.metrics["load"] = load
@@ -215,14 +221,17 @@ class MoELayer(Routed):
         self.metrics["load_max_over_mean"] = real.max() / real.mean().clamp_min(1e-9)
         if self.n_noop:
             self.metrics["noop_share"] = load[self.n_experts :].sum()
-        if self.training and self.bias_rate:
+        if self.training and self.bias_rate and not recomputing():
             self._load_sum += load
         self.record_aux("z_loss", router_z_loss(logits, finite), self.z_coef)
         return choice, logits
 
-    def after_optimizer_step(self) -> None:
-        """Aux-loss-free balancing: move the selection bias toward the target load."""
-        if self.bias_rate and self._load_sum.sum() > 0:
+    def after_optimizer_step(self, apply: bool = True) -> None:
+        """Aux-loss-free balancing: move the selection bias toward the target load (with the
+        load recorded since the last step; ``apply=False`` only clears it)."""
+        if not apply:
+            self._load_sum.zero_()
+        elif self.bias_rate and self._load_sum.sum() > 0:
             load = self._load_sum / self._load_sum.sum()
             target = self.target if self.n_noop else None
             update_selection_bias(self.selection_bias, load, self.bias_rate, target)

@@ -13,14 +13,13 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
-from torch import nn
 
 from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range
 from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer, expert_width
 from mode.layers.blocks import DenseBlock, MoEBlock, TransformerBlock, check_routing, default_positions
 from mode.layers.kv_cache import KVCache
 from mode.layers.predictor import RoutingPredictor
-from mode.routed import Routed, router_projection
+from mode.routed import Routed, Router
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
 from mode.routing.expert_choice import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
 
@@ -86,7 +85,7 @@ class MoDBlock(Routed):
         super().__init__()
         check_mod_args(capacity, gate, causal, causal_coef, predictor_hidden)
         self.capacity, self.gate, self.causal, self.causal_coef = capacity, gate, causal, causal_coef
-        self.router = nn.Linear(d_model, 1, bias=False)
+        self.router = Router(d_model, 1)
         self.predictor = RoutingPredictor(d_model, capacity, predictor_hidden) if causal == "predictor" else None
         self.block = inner if inner is not None else DenseBlock(d_model, n_heads, mlp_ratio, rope_base)
 
@@ -112,7 +111,7 @@ class MoDBlock(Routed):
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T] router scores, projected in at least float32 (bf16 ties are common)."""
-        return router_projection(x, self.router.weight).squeeze(-1)
+        return self.router(x).squeeze(-1)
 
     def decision_logits(self, x: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token routing logit used in causal mode (x: [B, T, D], a sequence from its first

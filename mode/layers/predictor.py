@@ -17,6 +17,7 @@ from torch import nn
 
 from mode.checks import check_range
 from mode.layers.kv_cache import PredictorState
+from mode.routed import recomputing
 from mode.routing.expert_choice import capacity_to_k
 
 
@@ -41,8 +42,10 @@ class RoutingPredictor(nn.Module):
     NOTE: the MLP alone (the MoD paper's predictor) has to relearn the router's moving linear
     score; a fixed threshold on the score cannot follow sequences whose k-th score sits high or
     low; the prefix order statistic can (benchmarks/RESULTS.md, "Causal sampling").
-    Under data parallelism ``mode.train`` averages the running threshold over the ranks after
-    every step (``parallel.expert_parallel.sync_running_thresholds``), so all replicas agree.
+    The running threshold moves in ``after_optimizer_step`` (call it after each optimizer step
+    in your own loop, or ``mode.after_optimizer_step(model)``); under data parallelism
+    ``mode.train`` first sums the recorded k-th scores over the ranks
+    (``parallel.expert_parallel.sync_running_thresholds``), so all replicas agree.
     """
 
     def __init__(
@@ -67,13 +70,16 @@ class RoutingPredictor(nn.Module):
         nn.init.zeros_(self.out.bias)
         self.register_buffer("threshold", torch.zeros(()))
         self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool))
+        # k-th scores seen since the last optimizer step: [sum, count] (float32, not saved)
+        self.register_buffer("pending", torch.zeros(2), persistent=False)
 
     def _apply(self, fn, recurse: bool = True):
         # NOTE: the running threshold stays float32 when the module is cast (``.to(bfloat16)``,
         # ``.half()``): in bf16 an EMA step of 1% of the gap rounds away near |threshold| ~ 10.
-        threshold = self.threshold
+        threshold, pending = self.threshold, self.pending
         super()._apply(fn, recurse)
         self.threshold = threshold.to(self.threshold.device)
+        self.pending = pending.to(self.pending.device)
         return self
 
     def extra_repr(self) -> str:
@@ -127,12 +133,28 @@ class RoutingPredictor(nn.Module):
 
     @torch.no_grad()
     def update_threshold(self, scores: torch.Tensor, chosen: torch.Tensor) -> None:
-        """Move the running threshold toward the mean k-th largest score of this batch.
+        """Record this batch's per-sequence k-th largest scores; ``after_optimizer_step`` moves
+        the running threshold toward their mean, once per step whatever the number of
+        micro-batches (and ``mode.parallel`` sums ``pending`` over the ranks first).
 
         scores: [B, T] router logits, chosen: [B, T] bool top-k membership with the same
-        k >= 1 tokens in every row. The first update sets the threshold.
+        k >= 1 tokens in every row.
         """
-        batch_kth = torch.where(chosen, scores.float(), torch.inf).amin(dim=-1).mean()
+        if recomputing():
+            return
+        kth = torch.where(chosen, scores.float(), torch.inf).amin(dim=-1)  # [B]
+        self.pending += torch.stack([kth.sum(), torch.tensor(float(kth.numel()), device=kth.device)])
+
+    @torch.no_grad()
+    def after_optimizer_step(self, apply: bool = True) -> None:
+        """Move the running threshold toward the mean recorded k-th score (EMA with
+        ``momentum``; the first update sets it) and clear the record (only clear it when
+        ``apply`` is False)."""
+        if not apply or not self.pending[1]:
+            self.pending.zero_()
+            return
+        batch_kth = self.pending[0] / self.pending[1]
         ema = torch.lerp(self.threshold, batch_kth, self.momentum)
         self.threshold.copy_(torch.where(self.calibrated, ema, batch_kth))
         self.calibrated.fill_(True)
+        self.pending.zero_()

@@ -21,6 +21,7 @@ from mode.experts.moe import CapacityMoE, MoELayer
 from mode.layers.predictor import RoutingPredictor
 from mode.parallel.all_to_all import all_to_all, exchange_counts
 from mode.parallel.mesh import ParallelContext
+from mode.routed import recomputing
 
 
 class ExpertParallelDispatcher(Dispatcher):
@@ -60,6 +61,8 @@ class ExpertParallelDispatcher(Dispatcher):
         return all_to_all(y_recv, recv_splits, send_splits, self.group)
 
     def _count(self, send_splits: list[int], recv_splits: list[int], x: torch.Tensor) -> None:
+        if recomputing():
+            return  # activation checkpointing re-sends the same rows: count them once
         remote = sum(s for p, s in enumerate(send_splits) if p != self.rank)
         remote_back = sum(s for p, s in enumerate(recv_splits) if p != self.rank)
         row_bytes = x.shape[-1] * x.element_size()
@@ -116,27 +119,6 @@ def reset_dispatch_stats(model: nn.Module) -> None:
                 stats[k] = 0
 
 
-def reduce_expert_grads(model: nn.Module, ctx: ParallelContext) -> None:
-    """Expert gradients hold the sum over this ep group's tokens; average them like the
-    data-parallel gradients: sum over the dp group, divide by the world size.
-
-    NOTE: DDP reduces all its parameters over one group, so it cannot give sharded experts
-    their dp-only reduction; this one bucketed all-reduce does (see the README)."""
-    if ctx.ep_size == 1:
-        return  # experts are replicated and DDP reduces them with everything else
-    grads = [p.grad for p in expert_parameters(model) if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if ctx.dp_size > 1:
-        dist.all_reduce(flat, group=ctx.dp_group)
-    flat /= ctx.world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def sync_load_statistics(model: nn.Module, ctx: ParallelContext) -> None:
     """Sum every MoE layer's accumulated expert load over all ranks, so that the
     aux-loss-free selection biases (updated from it after the optimizer step) stay identical
@@ -147,41 +129,16 @@ def sync_load_statistics(model: nn.Module, ctx: ParallelContext) -> None:
 
 
 def sync_running_thresholds(model: nn.Module, ctx: ParallelContext) -> None:
-    """Average every routing predictor's running threshold over all ranks after each step.
-    Each rank moves it toward its own batch's k-th score; the EMA is linear, so the average is
-    the update toward the global batch's mean k-th score, and every replica (and the
-    checkpoint, written by rank 0) holds the same threshold."""
+    """Sum every routing predictor's recorded k-th scores (and their count) over all ranks
+    before ``after_optimizer_step`` applies them: each replica then moves its running
+    threshold toward the global batch's mean k-th score and all stay identical."""
     for m in model.modules():
         if isinstance(m, RoutingPredictor):
-            dist.all_reduce(m.threshold)
-            m.threshold /= ctx.world_size
+            dist.all_reduce(m.pending)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext | None) -> torch.Tensor:
-    """Clip by the global gradient norm: replicated grads count once, sharded expert grads are
-    summed over the ep group. Returns the norm before clipping."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if ctx is None or ctx.ep_size == 1:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    expert_ids = {id(p) for p in expert_parameters(model)}
-    sq_expert = sum((p.grad.float().pow(2).sum() for p in params if id(p) in expert_ids), torch.zeros(()))
-    sq_rest = sum((p.grad.float().pow(2).sum() for p in params if id(p) not in expert_ids), torch.zeros(()))
-    sq_expert = sq_expert.to(params[0].device)
-    dist.all_reduce(sq_expert, group=ctx.ep_group)
-    norm = (sq_expert + sq_rest.to(sq_expert.device)).sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.mul_(scale.to(p.grad.dtype))
-    return norm
-
-
-def wrap_data_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
-    """DDP over all ranks for the replicated parameters; expert shards are left out of DDP
-    (``reduce_expert_grads`` handles them)."""
-    ignore = [name for name, p in model.named_parameters() if id(p) in {id(q) for q in expert_parameters(model)}]
-    if ctx.ep_size > 1:
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(
-        model, device_ids=device_ids, broadcast_buffers=False, find_unused_parameters=True
-    )
+def set_balance_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """The ranks whose micro-batches form the global batch of every MoE layer's balance loss
+    with ``lb_scope="global_batch"`` (None: this rank's tokens alone)."""
+    for layer in moe_layers(model):
+        layer.balance_group = group

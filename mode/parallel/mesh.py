@@ -18,9 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 class ParallelContext:
     """The mesh and the groups a training run needs (runtime objects: never in a config)."""
 
-    mesh: DeviceMesh
+    mesh: DeviceMesh  # 2-D ("dp", "ep")
     dp_size: int
     ep_size: int
+    world_mesh: DeviceMesh  # 1-D ("world",): every rank, for the non-expert FSDP shards
 
     @property
     def rank(self) -> int:
@@ -72,7 +73,8 @@ def init_mesh(dp: int = 1, ep: int = 1, n_experts: int | None = None, backend: s
     check_sizes(dist.get_world_size(), dp, ep, n_experts)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
-    return ParallelContext(mesh, dp, ep)
+    world_mesh = init_device_mesh(device_type, (dp * ep,), mesh_dim_names=("world",))
+    return ParallelContext(mesh, dp, ep, world_mesh)
 
 
 def destroy() -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 import torch
+import torch.distributed as dist
 
-# Over which tokens the load-balance loss is computed: the whole batch, or each sequence.
-LbScope = Literal["batch", "sequence"]
+# Over which tokens the load-balance loss is computed: this rank's micro-batch, each sequence,
+# or the micro-batches of every data-parallel rank together (statistics all-reduced).
+LbScope = Literal["micro_batch", "sequence", "global_batch"]
 LB_SCOPES: tuple[str, ...] = get_args(LbScope)
 
 
@@ -25,7 +27,11 @@ def target_shares(n_experts: int, n_noop: int = 0, noop_share: float = 0.0) -> t
 
 
 def load_balance_loss(
-    probs: torch.Tensor, experts: torch.Tensor, target: torch.Tensor | None = None, valid: torch.Tensor | None = None
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    target: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Switch load-balance loss ``sum_e f_e * P_e / t_e`` (= ``E * sum_e f_e P_e`` for a uniform
     target), where f_e is the share of the N*K assignments routed to e and P_e the mean router
@@ -34,6 +40,12 @@ def load_balance_loss(
     probs: [N, E] or [B, N, E] (then computed per sequence and averaged);
     experts: [N, K] or [B, N, K]; valid: [N] or [B, N] bool, the tokens to count (None: all),
     so that a token with NaN logits does not make the loss NaN for the whole batch.
+
+    ``group`` (2-D inputs only): the ranks whose tokens form the global batch. The assignment
+    counts and token totals are all-reduced over it (no gradient), so ``f`` is the global
+    batch's; each rank returns ``W * sum_e f_e * S_e / (N_global * t_e)`` with ``S_e`` its own
+    probability sums, whose mean over the W ranks is the global-batch loss and whose gradient,
+    averaged over the ranks as data parallelism does, is the global-batch loss's gradient.
     """
     E = probs.shape[-1]
     if target is None:
@@ -50,9 +62,16 @@ def load_balance_loss(
         probs = torch.where(valid.unsqueeze(-1), probs, 0.0)
         ones = ones * valid.unsqueeze(-1)
     counts = torch.zeros(E, device=probs.device).index_add_(0, experts.reshape(-1), ones.reshape(-1))
-    f = counts / ones.sum().clamp_min(1)
-    P = probs.sum(dim=0) / ones[:, 0].sum().clamp_min(1)  # over the counted tokens; empty batch: 0
-    return (f * P / target).sum()
+    totals = torch.stack([ones.sum(), ones[:, 0].sum()])  # assignments, tokens counted
+    scale = 1.0
+    if group is not None:
+        stats = torch.cat([counts, totals])
+        dist.all_reduce(stats, group=group)
+        counts, totals = stats[:E], stats[E:]
+        scale = dist.get_world_size(group)
+    f = counts / totals[0].clamp_min(1)
+    P = probs.sum(dim=0) / totals[1].clamp_min(1)  # over the counted tokens; empty batch: 0
+    return scale * (f * P / target).sum()
 
 
 def router_z_loss(logits: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""One optimizer step and its pieces: the learning-rate schedule, AdamW, the objective.
+
+``train_step`` is the whole step that ``mode.train`` runs, usable from a user's own loop:
+micro-batches (gradient accumulation), autocast, backward, cross-rank syncs of routing
+state, clipping, the skip of non-finite steps, the optimizer, the post-step hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from mode.config import TrainConfig
+from mode.model import MoDETransformer
+from mode.parallel.expert_parallel import sync_load_statistics, sync_running_thresholds
+from mode.parallel.fsdp import clip_grad_norm, scale_expert_grads, set_gradient_sync
+from mode.parallel.mesh import ParallelContext
+from mode.precision import autocast
+from mode.routed import after_optimizer_step, aux_loss
+
+
+def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
+    """Linear warm-up to ``lr`` then cosine decay to ``min_lr`` at ``steps``, or at
+    ``max_seconds`` of wall-clock when that comes first (time-budgeted runs decay too)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    if cfg.max_seconds:
+        progress = max(progress, min(1.0, elapsed / cfg.max_seconds))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=False)
+
+
+class LMObjective(torch.nn.Module):
+    """``(x, y) -> (LM loss, auxiliary loss)`` of ``model`` on a batch: the LM loss and every
+    routed module's weighted auxiliary losses from that forward (``mode.aux_loss``)."""
+
+    def __init__(self, model: MoDETransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, loss = self.model(x, y)
+        return loss, aux_loss(self.model)
+
+
+class StepResult(NamedTuple):
+    """What ``train_step`` did: the LM loss, the auxiliary loss (means over the
+    micro-batches), the gradient norm before clipping, and whether the step was skipped for a
+    non-finite loss or gradient."""
+
+    loss: torch.Tensor
+    aux: torch.Tensor
+    grad_norm: torch.Tensor
+    skipped: bool = False
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient."""
+
+
+def train_step(
+    model: MoDETransformer,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad_clip: float = 0.0,
+    ctx: ParallelContext | None = None,
+    objective: torch.nn.Module | None = None,
+    precision: str = "fp32",
+    accum_steps: int = 1,
+) -> StepResult:
+    """One optimizer step on a batch: x, y [B, T] token ids (this rank's rows) -> ``StepResult``.
+
+    The batch is split into ``accum_steps`` micro-batches of ``B / accum_steps`` rows; each
+    runs forward (through ``objective``, default ``LMObjective(model)``) under the autocast of
+    ``precision`` ("fp32" or "bf16") and backward on ``(LM loss + auxiliary loss) /
+    accum_steps``, so the gradients equal those of one batch of B rows for losses that are
+    means over sequences or tokens. Under FSDP (``ctx``) gradients are reduced only on the
+    last micro-batch. Then: routing state recorded by the forwards is summed over the ranks,
+    gradients are clipped by their global norm when ``grad_clip`` > 0, the optimizer steps,
+    and the modules' ``after_optimizer_step`` hooks move the routing state once.
+
+    A step whose loss or gradient norm is not finite (on any rank) is skipped: gradients and
+    the recorded routing state are dropped, the weights and optimizer state are left as they
+    were, and the result says ``skipped``.
+    """
+    objective = objective or LMObjective(model)
+    if x.shape[0] % accum_steps:
+        raise ValueError(f"a batch of {x.shape[0]} rows does not split into accum_steps={accum_steps} micro-batches")
+    micro = x.shape[0] // accum_steps
+    loss_sum = aux_sum = torch.zeros((), device=x.device)
+    for i in range(accum_steps):
+        set_gradient_sync(model, i == accum_steps - 1)
+        rows = slice(i * micro, (i + 1) * micro)
+        with autocast(precision, x.device):
+            loss, aux = objective(x[rows], y[rows])
+        ((loss + aux) / accum_steps).backward()
+        loss_sum, aux_sum = loss_sum + loss.detach().float(), aux_sum + aux.detach().float()
+    loss, aux = loss_sum / accum_steps, aux_sum / accum_steps
+    if ctx is not None:
+        scale_expert_grads(model, ctx)
+        sync_running_thresholds(model, ctx)
+    grad_norm = clip_grad_norm(model, grad_clip or math.inf, ctx)
+    finite = (torch.isfinite(loss + aux) & torch.isfinite(grad_norm)).float()
+    if ctx is not None:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips the same steps
+    if not finite.item():
+        opt.zero_grad(set_to_none=True)
+        after_optimizer_step(model, apply=False)
+        return StepResult(loss, aux, grad_norm, skipped=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if ctx is not None:
+        sync_load_statistics(model, ctx)
+    after_optimizer_step(model)
+    return StepResult(loss, aux, grad_norm)

@@ -1,0 +1,94 @@
+"""What a training run measures about itself: peak FLOP/s of the device, throughput, MFU,
+peak memory, and ``torch.profiler`` traces of chosen steps.
+
+MFU = achieved FLOP/s (model FLOPs per step from ``mode.flops`` / step time, over every rank)
+divided by the peak of all ranks, where a rank's peak is measured once at start with a square
+matmul of the training dtype (not a datasheet number: on CPU there is none).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_MATMUL_SIZE = 2048
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> tuple[float, str]:
+    """FLOP/s of ``[n, n] @ [n, n]`` matmuls in ``dtype`` on ``device`` (best of repeated
+    timings after a warm-up), and a sentence saying how it was measured."""
+    n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    best, spent, reps = float("inf"), 0.0, 0
+    while spent < seconds or reps < 3:
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        dt = time.perf_counter() - t0
+        best, spent, reps = min(best, dt), spent + dt, reps + 1
+    flops = 2 * n**3 / best
+    how = f"best of {reps} {n}x{n}x{n} {str(dtype).removeprefix('torch.')} matmuls on {device.type}"
+    return flops, how
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: ``max_memory_allocated`` on CUDA, else the peak
+    resident set size (RSS) of the process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def throughput(tokens: int, flops: float, seconds: float, peak_flops: float) -> dict[str, float]:
+    """``tokens_per_s``, ``flops_per_s`` and ``mfu`` of a step of ``tokens`` tokens and
+    ``flops`` model FLOPs (all ranks) that took ``seconds``, against ``peak_flops`` (all ranks)."""
+    achieved = flops / seconds
+    return {"tokens_per_s": tokens / seconds, "flops_per_s": achieved, "mfu": achieved / peak_flops}
+
+
+class StepProfiler:
+    """Records training steps ``steps[0]`` to ``steps[1]`` (1-based optimizer steps,
+    inclusive, counted across resumes) with ``torch.profiler`` and writes a Chrome trace
+    ``<out_dir>/profile_rank<r>.json`` after the last; each step is a ``step <n>`` range.
+    Inactive when ``steps`` is empty. Call ``begin(n)`` / ``end(n)`` around step n."""
+
+    def __init__(self, out_dir: str | Path, steps: list[int], rank: int = 0) -> None:
+        self.first, self.last = steps if steps else (0, -1)
+        self.path = Path(out_dir) / f"profile_rank{rank}.json"
+        self.prof: torch.profiler.profile | None = None
+        self.range: torch.profiler.record_function | None = None
+
+    def begin(self, step: int) -> None:
+        if step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.prof.__enter__()
+        if self.prof is not None:
+            self.range = torch.profiler.record_function(f"step {step}")
+            self.range.__enter__()
+
+    def end(self, step: int) -> None:
+        if self.prof is None:
+            return
+        self.range.__exit__(None, None, None)
+        if step >= self.last:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write the trace (also when training stops before ``steps[1]``)."""
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            self.prof.export_chrome_trace(str(self.path))
+            self.prof = None

@@ -1,0 +1,148 @@
+"""FSDP2 x expert parallelism on real gloo process groups (4 CPU ranks) against one process:
+the loss curves of every 2-D layout, the global-batch balance loss, and checkpoints that
+reshard between layouts."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mode import checkpoint
+from mode.config import load_config
+from mode.model import MoDETransformer
+from mode.parallel.mesh import init_mesh
+from mode.train import build_optimizer, prepare_model, train
+from tests.dist_utils import run_workers
+
+PRESETS = ["moe", "mode_staged", "mode_integrated"]
+SMALL = [
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_layers=2",
+    "model.seq_len=32",
+    "model.moe.n_experts=4",
+    "model.moe.lb_coef=0.05",
+    "train.batch_size=8",
+    "train.steps=10",
+    "train.max_seconds=0",
+    "train.eval_every=10",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.progress=false",
+    "train.lr=3e-3",
+    "train.warmup_steps=2",
+]
+IDX = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+
+
+def config(preset: str, out: Path, scope: str = "global_batch", dp: int = 1, ep: int = 1):
+    return load_config(
+        preset,
+        [
+            *SMALL,
+            f"model.moe.lb_scope={scope}",
+            f"parallel.dp_size={dp}",
+            f"parallel.ep_size={ep}",
+            f"train.out_dir={out}",
+        ],
+    )
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def full_optimizer_state(model, opt, ctx) -> dict[str, torch.Tensor]:
+    """Every parameter's AdamW moments as whole tensors (collective under ``ctx``)."""
+    out = {}
+    for name, state in checkpoint.optimizer_state_dict(model, opt, ctx).items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = state[key]
+            out[f"{name}.{key}"] = t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+    return out
+
+
+def logits_of(model) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(IDX)[0]
+
+
+def layout_worker(rank, world, dp, ep, root, load_from):
+    """Train every preset on the dp x ep layout; for "moe", also load ``load_from``'s
+    checkpoint (another layout's) into a fresh model of this layout and keep its logits."""
+    root = Path(root)
+    scopes = [("moe", "micro_batch")] if dp > 1 and ep == 1 else []
+    for preset, scope in [(p, "global_batch") for p in PRESETS] + scopes:
+        model, _ = train(config(preset, root / f"{dp}x{ep}" / f"{preset}-{scope}", scope, dp, ep))
+        if preset == "moe" and scope == "global_batch":
+            ctx = init_mesh(dp, ep, 4)
+            opt = build_optimizer(model, config(preset, root).train)
+            checkpoint.load(root / f"{dp}x{ep}" / "moe-global_batch" / "ckpt", model, opt, ctx=ctx)
+            state = full_optimizer_state(model, opt, ctx)
+            logits = logits_of(model)
+            if rank == 0:
+                torch.save({"logits": logits, "optim": state}, root / f"{dp}x{ep}" / "final.pt")
+    if load_from:
+        reloaded_into_this_layout(rank, dp, ep, root, load_from)
+
+
+def reloaded_into_this_layout(rank, dp, ep, root, load_from):
+    root = Path(root)
+    cfg = config("moe", root, dp=dp, ep=ep)
+    ctx = init_mesh(dp, ep, 4)
+    torch.manual_seed(123)  # different initial weights: the load must overwrite all of them
+    model = prepare_model(MoDETransformer(cfg.model), cfg, ctx)
+    opt = build_optimizer(model, cfg.train)
+    assert checkpoint.load(root / load_from / "moe-global_batch" / "ckpt", model, opt, ctx=ctx).step == 10
+    state = full_optimizer_state(model, opt, ctx)
+    logits = logits_of(model)
+    if rank == 0:
+        torch.save({"logits": logits, "optim": state}, root / f"{load_from}-into-{dp}x{ep}.pt")
+    dist.barrier()
+
+
+def reload_worker(rank, world, dp, ep, root, load_from):
+    reloaded_into_this_layout(rank, dp, ep, root, load_from)
+
+
+@pytest.mark.slow
+def test_fsdp_layouts_match_one_process_and_checkpoints_reshard(tmp_path):
+    # Layouts in an order that lets each load the one before: 2x2 -> 1x4 -> 4x1, then 1x4 -> 2x2.
+    run_workers(layout_worker, 4, 2, 2, str(tmp_path), "")
+    run_workers(layout_worker, 4, 1, 4, str(tmp_path), "2x2")
+    run_workers(layout_worker, 4, 4, 1, str(tmp_path), "1x4")
+    run_workers(reload_worker, 4, 2, 2, str(tmp_path), "1x4")
+
+    for preset in PRESETS:
+        _, result = train(config(preset, tmp_path / "1x1" / preset))
+        single = losses(tmp_path / "1x1" / preset)
+        assert len(single) == 10
+        for layout in ("2x2", "1x4", "4x1"):
+            got = losses(tmp_path / layout / f"{preset}-global_batch")
+            diff = max(abs(a - b) for a, b in zip(got, single, strict=True))
+            assert diff <= 1e-4, (preset, layout, got, single)
+    # The control: with each rank balancing its own micro-batch, dp=4 is not the one-process run.
+    local = losses(tmp_path / "4x1" / "moe-micro_batch")
+    assert max(abs(a - b) for a, b in zip(local, losses(tmp_path / "1x1" / "moe"), strict=True)) > 1e-4
+
+    # Checkpoints reshard: 2x2 -> 1x1 (a plain process, optimizer included), 2x2 -> 1x4,
+    # 1x4 -> 4x1 and 1x4 -> 2x2 give the logits and AdamW moments of the model that was saved.
+    cfg = config("moe", tmp_path)
+    model = MoDETransformer(cfg.model)
+    opt = build_optimizer(model, cfg.train)
+    assert checkpoint.load(tmp_path / "2x2" / "moe-global_batch" / "ckpt", model, opt).step == 10
+    saved_2x2 = torch.load(tmp_path / "2x2" / "final.pt")
+    torch.testing.assert_close(logits_of(model), saved_2x2["logits"], atol=1e-5, rtol=1e-5)
+    single_state = full_optimizer_state(model, opt, None)
+    assert single_state.keys() == saved_2x2["optim"].keys()
+    for name, value in saved_2x2["optim"].items():
+        assert torch.equal(single_state[name], value), name
+    saved_1x4 = torch.load(tmp_path / "1x4" / "final.pt")
+    for moved, saved in [("2x2-into-1x4", saved_2x2), ("1x4-into-4x1", saved_1x4), ("1x4-into-2x2", saved_1x4)]:
+        got = torch.load(tmp_path / f"{moved}.pt")
+        torch.testing.assert_close(got["logits"], saved["logits"], atol=1e-5, rtol=1e-5, msg=moved)
+        for name, value in saved["optim"].items():
+            assert torch.equal(got["optim"][name], value), (moved, name)
