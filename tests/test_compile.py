@@ -1,8 +1,9 @@
-"""``train.compile``: every preset's blocks compiled one by one give the eager step's losses,
-and after warm-up a step compiles nothing new (no recompiles, though the dropless MoE's
-expert sizes and the routed token counts change every step)."""
+"""``train.compile``: blocks compiled one by one give the eager step's losses, and after
+warm-up a step compiles nothing new (no recompiles, though the dropless MoE's expert sizes
+and the routed token counts change every step)."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -13,22 +14,20 @@ from mode.compile import compile_blocks
 from mode.config import load_config
 from mode.model import MoDETransformer
 from mode.step import build_optimizer, train_step
+from mode.train import train
 
-PRESETS = ["dense", "mod", "moe", "moe_capacity", "mode_staged", "mode_integrated"]
-SMALL = ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.seq_len=32", "model.moe.n_experts=4"]
+# Every block kind of every preset, in one model: each kind is compiled once.
+EVERY_KIND = "dense,mod,moe,moe_capacity,mode_staged,mode_integrated"
+SMALL = ["model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.moe.n_experts=4"]
 WARMUP, AFTER = 3, 4
 
 
-def compiled_graphs() -> int:
-    return counters["stats"]["unique_graphs"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", PRESETS)
-def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup(preset):
+def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup():
     torch._dynamo.reset()
     counters.clear()
-    cfg = load_config(preset, SMALL)
+    layout = [f"model.layout={EVERY_KIND}", "model.n_layers=6", "model.moe.n_noop=4", "model.mod.causal=predictor"]
+    cfg = load_config(None, [*SMALL, *layout])
     torch.manual_seed(0)
     eager = MoDETransformer(cfg.model)
     compiled = copy.deepcopy(eager)
@@ -38,7 +37,7 @@ def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup(preset):
     after_warmup = None
     for step in range(WARMUP + AFTER):
         if step == WARMUP:
-            after_warmup = compiled_graphs()
+            after_warmup = counters["stats"]["unique_graphs"]
         x = torch.randint(0, 256, (4, 32), generator=gen)
         y = torch.randint(0, 256, (4, 32), generator=gen)
         torch.manual_seed(step)
@@ -48,4 +47,16 @@ def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup(preset):
         torch.testing.assert_close(got.loss, ref.loss, atol=2e-4, rtol=2e-4, msg=f"step {step}")
         torch.testing.assert_close(got.aux, ref.aux, atol=2e-4, rtol=2e-3, msg=f"step {step}")
     assert after_warmup > 0, "nothing was compiled"
-    assert compiled_graphs() == after_warmup, f"recompiled after warm-up: {dict(counters['recompiles'] or {})}"
+    assert counters["stats"]["unique_graphs"] == after_warmup, "recompiled after warm-up"
+
+
+@pytest.mark.slow
+def test_train_compile_flag_trains(tmp_path):
+    overrides = [*SMALL, "model.n_layers=2", "train.compile=true", "train.steps=3", "train.batch_size=4"]
+    cfg = load_config("mod", [*overrides, "train.max_seconds=0", "train.eval_every=3", "train.eval_batches=1"])
+    cfg.train.out_dir, cfg.train.progress, cfg.train.log_every = str(tmp_path), False, 1
+    model, result = train(cfg)
+    assert result.steps == 3 and result.val_loss == result.val_loss  # finite, not NaN
+    assert all(b._compiled_call_impl is not None for b in model.blocks)  # nn.Module.compile in place
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3

@@ -146,3 +146,44 @@ def test_fsdp_layouts_match_one_process_and_checkpoints_reshard(tmp_path):
         torch.testing.assert_close(got["logits"], saved["logits"], atol=1e-5, rtol=1e-5, msg=moved)
         for name, value in saved["optim"].items():
             assert torch.equal(got["optim"][name], value), (moved, name)
+
+
+def bf16_worker(rank, world, root):
+    """dp=1 x ep=2 in bf16: record the dtype of the weights each module computes with."""
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen[name] = next(module.parameters()).dtype
+
+        return hook
+
+    cfg = config("mode_staged", Path(root) / "bf16-1x2", ep=2)
+    cfg.train.precision = "bf16"
+    from mode.routed import Router
+
+    torch.manual_seed(cfg.train.seed)  # the initial weights train() would build
+    model = MoDETransformer(cfg.model)
+    for name, m in model.named_modules():
+        if isinstance(m, Router) or name.endswith("attn.qkv") or name.endswith("experts"):
+            m.register_forward_pre_hook(record(name))
+    train(cfg, model=model)
+    if rank == 0:
+        torch.save({k: str(v) for k, v in seen.items()}, Path(root) / "dtypes.pt")
+
+
+@pytest.mark.slow
+def test_bf16_under_fsdp_gathers_blocks_in_bf16_routers_in_fp32_and_tracks_fp32(tmp_path):
+    run_workers(bf16_worker, 2, str(tmp_path))
+    dtypes = torch.load(tmp_path / "dtypes.pt")
+    assert any(k.endswith("router") for k in dtypes) and any(k.endswith("qkv") for k in dtypes)
+    for name, dtype in dtypes.items():
+        want = "torch.float32" if name.endswith("router") else "torch.bfloat16"
+        assert dtype == want, (name, dtype)
+    fp32 = tmp_path / "fp32"
+    train(config("mode_staged", fp32))
+    bf16, reference = losses(tmp_path / "bf16-1x2"), losses(fp32)
+    # bf16 rounding (8 mantissa bits) over 10 steps of a tiny model: within 0.01 nats of fp32
+    # (measured: ~5e-4; a block gathered in the wrong dtype or a wrongly scaled gradient is off
+    # by more than 0.02 by the second step).
+    assert max(abs(a - b) for a, b in zip(bf16, reference, strict=True)) < 0.01, (bf16, reference)

@@ -203,3 +203,23 @@ def test_routing_health_metrics_and_collapse_warnings():
     m = routing_metrics(moe)
     assert m["load_max"] == 1.0 and m["load_max_over_mean"] == 4.0
     assert health_warnings(m) == ["layer: one expert takes 100% of the assignments"]
+
+
+def test_rope_backward_is_the_inverse_rotation_of_autograd_through_the_formula():
+    from mode.layers.attention import apply_rope, rope_cos_sin, rotate
+
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 500, (2, 7), generator=gen).sort(dim=1).values
+    cos, sin = rope_cos_sin(positions, 10, 10000.0)
+    x = torch.randn(2, 3, 7, 10, dtype=torch.float64, generator=gen, requires_grad=True)
+    g = torch.randn(2, 3, 7, 10, dtype=torch.float64, generator=gen)
+    ref = x.detach().clone().requires_grad_(True)
+    # float64 through the reference formula (rotate computes in float32: compare that too)
+    x1, x2 = ref.chunk(2, dim=-1)
+    out_ref = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out_ref.backward(g)
+    out = apply_rope(x, cos, sin)
+    out.backward(g)
+    torch.testing.assert_close(out, out_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.grad, ref.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(rotate(out.detach(), cos, -sin), x.detach(), atol=1e-6, rtol=1e-5)  # orthogonal

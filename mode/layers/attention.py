@@ -30,11 +30,32 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[t
     return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, Dh]; rotates the two halves of the head dim (GPT-NeoX layout)."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The RoPE rotation of x: [B, H, T, Dh] by angles with cos, sin: [B, 1, T, Dh/2]: each
+    pair (x_i, x_{i + Dh/2}) turns by its angle (GPT-NeoX layout), computed in float32."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE with a hand-written backward: the rotation is orthogonal, so the input gradient
+    is the output gradient turned back (``rotate`` by -angle). Saves cos and sin only, where
+    autograd through ``rotate`` would keep four half-size products and run twice the kernels."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return rotate(grad, cos, -sin), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, Dh] -> x with RoPE applied (``rotate``; cos, sin from ``rope_cos_sin``)."""
+    return _Rope.apply(x, cos, sin)
 
 
 class CausalSelfAttention(nn.Module):

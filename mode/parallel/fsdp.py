@@ -9,12 +9,14 @@
   ``scale_expert_grads`` divides them by ``ep`` after the backward, so they are averaged
   over the world like every other gradient. (FSDP2's own ``set_gradient_divide_factor``
   needs a PREMUL_SUM reduction, which gloo lacks.)
-- Each block is one FSDP unit (its weights gathered before its forward and freed after);
-  routers (and the routing predictor) are units of their own kept in float32, so that with
-  ``precision="bf16"`` the block is gathered and computed in bf16
-  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) while router scores still
-  come from float32 weights. The embedding, final norm and LM head form the root unit
-  (float32; autocast casts the head's matmul).
+- Each block is one FSDP unit (its weights gathered before its forward and freed after).
+  With ``precision="bf16"`` it is gathered and computed in bf16
+  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), except for a second,
+  float32 unit per block: its routers, routing predictor and LayerNorms, so that router
+  scores come from float32 weights and the norms see float32 parameters (CPU autocast runs
+  ``layer_norm`` in the input's dtype and refuses bf16 weights on a float32 input). The
+  embedding, final norm and LM head form the root unit (float32; autocast casts the head's
+  matmul).
 
 NOTE: FSDP2 replaced DDP + a hand-written expert all-reduce: one mechanism for every layout,
 sharded optimizer state, and sharded checkpoints through ``torch.distributed.checkpoint``.
@@ -43,9 +45,10 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
-def router_modules(module: nn.Module) -> list[nn.Module]:
-    """The routing modules kept in float32: ``Router`` projections and routing predictors."""
-    return [m for m in module.modules() if isinstance(m, Router | RoutingPredictor)]
+def float32_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules of a block kept in float32: ``Router`` projections, routing predictors,
+    LayerNorms."""
+    return [m for m in module.modules() if isinstance(m, Router | RoutingPredictor | nn.LayerNorm)]
 
 
 def shard_model(model: nn.Module, ctx: ParallelContext, precision: str = "fp32") -> nn.Module:
@@ -62,10 +65,11 @@ def shard_model(model: nn.Module, ctx: ParallelContext, precision: str = "fp32")
                     mp_policy=blocks_policy,
                     shard_placement_fn=lambda p: Shard(1),
                 )
-        for router in router_modules(block):
-            # Called twice per forward by a MoD block (scores of all tokens, then of the chosen
-            # ones): kept gathered between the calls.
-            fully_shard(router, mesh=world, mp_policy=fp32, reshard_after_forward=False)
+        small = float32_modules(block)
+        if small:
+            # One unit for all of them (a MoD router runs twice per forward: scores of every
+            # token, then of the chosen ones), kept gathered from first use to the backward.
+            fully_shard(small, mesh=world, mp_policy=fp32, reshard_after_forward=False)
         fully_shard(block, mesh=world, mp_policy=blocks_policy)
     fully_shard(model, mesh=world, mp_policy=fp32)
     return model
