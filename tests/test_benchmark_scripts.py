@@ -98,3 +98,19 @@ def test_bench_sampling_tiny_compares_target_values(tmp_path):
     payload = run_script("bench_sampling.py", [*overrides, *args], tmp_path, out)["sampling.json"]
     table = out[0].split("compared with the run of", 1)[1]
     assert all(name in table for name in payload["targets"])
+
+
+def test_bench_train_tiny(tmp_path):
+    tiny = ["--batch", "2", "--seq", "32", "--layers", "2", "--d-model", "32", "--n-heads", "2"]
+    args = [*tiny, "--repeats", "1", "--warmup", "0", "--presets", "dense", "mod", "nanogpt", "dense_norope"]
+    results = run_script("bench_train.py", [*args, "--modes", "fp32_eager", "bf16_eager"], tmp_path)
+    payload = results["train.json"]
+    assert {(r["preset"], r["mode"]) for r in payload["rows"]} == {
+        (p, m) for p in ("dense", "mod", "nanogpt", "dense_norope") for m in ("fp32_eager", "bf16_eager")
+    }
+    for r in payload["rows"]:
+        assert r["ms"] > 0 and 0 < r["mfu"] < 1 and r["peak_mib"] > 0
+    ratios = {(r["ratio"], r["mode"]): r for r in payload["ratios"]}
+    assert ratios["dense/nanogpt", "fp32_eager"]["target"] == 1.05
+    assert ratios["mod/dense", "bf16_eager"]["meets"] in (True, False)
+    assert set(payload["peak_flops"]) == {"fp32", "bf16"}
