@@ -203,6 +203,7 @@ class TrainConfig:
     activation_checkpoint_every: int = 2  # every_n: checkpoint blocks 0, n, 2n, ...
     compile: bool = False  # torch.compile each block (mode.compile)
     profile_steps: list[int] = field(default_factory=list)  # [first, last]: torch.profiler trace to out_dir
+    init_from: str = ""  # a dense checkpoint to convert into this model (mode.convert.upcycle); fresh optimizer
     threads: int = 0  # torch.set_num_threads; 0 = leave the default
     progress: bool = True
 

@@ -27,15 +27,28 @@ def router_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Router(nn.Linear):
-    """A bias-free router projection ``[..., D] -> [..., R]`` computed in at least float32
+    """A router projection ``[..., D] -> [..., R]`` computed in at least float32
     (``router_projection``). A module (not a bare weight) so that FSDP2 can keep it in its own
-    float32 unit while the rest of a block is gathered in bf16."""
+    float32 unit while the rest of a block is gathered in bf16.
 
-    def __init__(self, d_model: int, n_out: int) -> None:
-        super().__init__(d_model, n_out, bias=False)
+    ``bias`` (zero at init) adds one learned offset per output. For a MoD router (R = 1) it
+    moves every token's score alike, so it never changes which tokens top-k picks, only the
+    gate value ``g(r)`` (upcycling starts it where the gate is ~1). A state dict without it
+    (written before it existed) loads with the offset 0."""
+
+    def __init__(self, d_model: int, n_out: int, bias: bool = False) -> None:
+        super().__init__(d_model, n_out, bias=bias)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return router_projection(x, self.weight)
+        out = router_projection(x, self.weight)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.bias is not None and prefix + "bias" not in state_dict:
+            state_dict[prefix + "bias"] = torch.zeros_like(self.bias)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def recomputing() -> bool:

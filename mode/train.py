@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from mode import checkpoint, telemetry
 from mode.compile import compile_blocks
 from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
+from mode.convert import upcycle
 from mode.data import TokenSplit, load_splits
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.checkpointing import checkpoint_blocks
@@ -171,14 +172,17 @@ def train(
         cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir
     )
     _check_vocab(cfg.model, vocab)
+    out_dir = Path(tc.out_dir)
+    ckpt = out_dir / ("ckpt" if ctx else "ckpt.pt")
+    resume_from = checkpoint.latest(ckpt) if tc.resume else None
+    if model is None and tc.init_from and resume_from is None:
+        # Every rank converts the same way (seeded), then the model is sharded like any other.
+        model = upcycle(tc.init_from, cfg, seed=tc.seed)
     model = prepare_model((model or MoDETransformer(cfg.model)).to(device), cfg, ctx, precision)
     objective = LMObjective(model)
     opt = build_optimizer(model, tc)
-    out_dir = Path(tc.out_dir)
-    ckpt = out_dir / ("ckpt" if ctx else "ckpt.pt")
     gen = torch.Generator().manual_seed(tc.seed)
     start, elapsed = 0, 0.0
-    resume_from = checkpoint.latest(ckpt) if tc.resume else None
     if resume_from is not None:
         # The time budget continues too: the schedule and the max_seconds stop use it.
         start, elapsed = checkpoint.load(resume_from, model, opt, gen, ctx)
@@ -196,6 +200,8 @@ def train(
     profiler = telemetry.StepProfiler(out_dir, list(tc.profile_steps), rank)
     if rank == 0:
         info = {"precision": precision, "world_size": world, "peak_flops_per_rank": peak_flops, "peak_how": peak_how}
+        if tc.init_from:  # the checkpoint this run's weights were converted from (resumes keep saying it)
+            info["init_from"] = str(Path(tc.init_from).resolve())
         (out_dir / "run_info.json").write_text(json.dumps(info, indent=2))
     result = TrainResult(steps=start, train_loss=float("nan"), val_loss=float("nan"), precision=precision)
     # Models with MoD blocks that can decide per token are also evaluated in causal mode.
@@ -320,6 +326,12 @@ def main(argv: list[str] | None = None) -> None:
         "--print-flops", action="store_true", help="print parameters and FLOPs (of every preset without --config)"
     )
     parser.add_argument("--sample", type=int, default=0, help="print this many sampled bytes after training")
+    parser.add_argument(
+        "--init-from",
+        metavar="PATH",
+        default=None,
+        help="start from a dense checkpoint converted to --config's model (mode.convert.upcycle), fresh optimizer",
+    )
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. model.n_layers=8")
     args = parser.parse_args(argv)
     if args.print_flops:
@@ -327,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
         print_flops([load_config(name, args.overrides) for name in names])
         return
     cfg = load_config(args.config, args.overrides)
+    if args.init_from:
+        cfg.train.init_from = args.init_from
     try:
         model, result = train(cfg)
     finally:

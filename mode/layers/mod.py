@@ -85,7 +85,7 @@ class MoDBlock(Routed):
         super().__init__()
         check_mod_args(capacity, gate, causal, causal_coef, predictor_hidden)
         self.capacity, self.gate, self.causal, self.causal_coef = capacity, gate, causal, causal_coef
-        self.router = Router(d_model, 1)
+        self.router = Router(d_model, 1, bias=True)  # the bias offsets the gate, not the choice
         self.predictor = RoutingPredictor(d_model, capacity, predictor_hidden) if causal == "predictor" else None
         self.block = inner if inner is not None else DenseBlock(d_model, n_heads, mlp_ratio, rope_base)
 

@@ -1,0 +1,166 @@
+"""Upcycling: a trained dense model converted into MoD, MoE or MoDE, to continue training.
+
+``upcycle(source, target)`` builds the model ``target`` describes and fills it from a dense
+model of the same width, depth, heads and vocabulary:
+
+- embeddings, final norm, LM head and every block's attention and norms are copied;
+- a **dense** target block is copied whole;
+- a **MoD** block (``mod``) routes around the copied dense block. Its router bias starts at
+  ``logit(gate_init)`` (sigmoid gate; ``gate_init`` itself for the identity gate), so a
+  routed token's update is ``gate_init`` (0.95) of the dense block's at init; the bias moves
+  every score alike and never changes which tokens are picked. The router weights start
+  small and random (``router_std``), so scores follow token content, not position; the
+  causal predictor starts as a fresh one (its threshold calibrates on the first step);
+- an **MoE** MLP (``moe``, ``moe_capacity``, ``mode_staged``'s inner block,
+  ``mode_integrated``) gets experts from the dense MLP: with ``d_ff`` equal to the dense
+  hidden width every expert is a copy; with ``d_ff * top_k`` equal to it (the presets' "same
+  active FLOPs" width) expert e holds hidden slice ``e mod top_k`` and scales its output by
+  ``top_k``, so that a token whose top-k experts hold different slices and get equal weights
+  (a near-uniform router) computes the dense MLP. Other widths are refused. With top-1
+  routing a token's output is its router probability times its expert's (Switch), ~1/E of
+  the dense MLP at a near-uniform router: convert to top-2 (the presets) or to one expert
+  to keep the dense function. The router starts
+  near uniform (weights ~ N(0, router_std^2)); no-op experts cost nothing and start like the
+  others in the router. ``noise`` adds N(0, (noise * std)^2) to each expert's copy to break
+  their symmetry.
+
+Everything random comes from ``seed``: the conversion is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mode import checkpoint
+from mode.checks import fail
+from mode.config import Config, ModelConfig
+from mode.experts.moe import MoELayer
+from mode.layers.blocks import DenseBlock, TransformerBlock
+from mode.layers.mod import MoDBlock
+from mode.model import MoDETransformer
+
+StateDict = dict[str, torch.Tensor]
+MATCHED = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_ratio", "tie_embeddings", "rope_base")
+
+
+def load_dense(source: str | Path | MoDETransformer | StateDict, config: ModelConfig | None = None):
+    """``(state dict, ModelConfig)`` of a dense model: a checkpoint of either kind (its own
+    config), a ``MoDETransformer`` or a state dict with its ``config``."""
+    if isinstance(source, MoDETransformer):
+        return source.state_dict(), source.cfg
+    if isinstance(source, dict):
+        if config is None:
+            raise ValueError("upcycling from a state dict needs the dense model's ModelConfig: pass dense_config=")
+        return source, config
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"no dense checkpoint at {path} (train.init_from / --init-from)")
+    cfg = checkpoint.checkpoint_config(path).model
+    model = MoDETransformer(cfg)
+    checkpoint.load(path, model)
+    return model.state_dict(), cfg
+
+
+def check_convertible(dense: ModelConfig, target: ModelConfig) -> None:
+    """``ConfigError`` naming the first target field that cannot map onto the dense model."""
+    kinds = dense.block_kinds()
+    if set(kinds) != {"dense"}:
+        fail("source", dense.layout, "upcycling starts from a dense model (layout 'dense')")
+    for name in MATCHED:
+        if getattr(target, name) != getattr(dense, name):
+            fail(
+                f"model.{name}",
+                getattr(target, name),
+                f"must equal the dense model's {name}={getattr(dense, name)!r}: upcycling keeps the dense weights, "
+                "so width, depth, heads, vocabulary, MLP ratio, tied embeddings and RoPE base cannot change",
+            )
+    needs_experts = any(k in ("moe", "moe_capacity", "mode_staged", "mode_integrated") for k in target.block_kinds())
+    if needs_experts:
+        hidden, d_ff, k = dense.mlp_ratio * dense.d_model, target.expert_d_ff(), target.moe.top_k
+        if target.moe.mlp != "gelu":
+            fail("model.moe.mlp", target.moe.mlp, "the dense MLP is GELU: upcycle to mlp='gelu'")
+        if target.moe.shared_expert:
+            fail("model.moe.shared_expert", True, "upcycling fills routed experts only: use false")
+        if target.moe.router != "token_choice":
+            fail("model.moe.router", target.moe.router, "upcycling supports token-choice routers")
+        if d_ff != hidden and d_ff * k != hidden:
+            fail(
+                "model.moe.d_ff",
+                d_ff,
+                f"experts are copies or top_k slices of the dense MLP (hidden {hidden}): use d_ff={hidden} "
+                f"or d_ff={hidden}/top_k={hidden // k}",
+            )
+
+
+def upcycle(
+    source: str | Path | MoDETransformer | StateDict,
+    target: Config | ModelConfig,
+    *,
+    dense_config: ModelConfig | None = None,
+    seed: int = 0,
+    noise: float = 0.0,
+    router_std: float = 0.02,
+    gate_init: float = 0.95,
+) -> MoDETransformer:
+    """The ``target`` model filled from the dense ``source`` (see the module docstring).
+
+    ``source``: a checkpoint path (``ckpt.pt`` or a DCP ``ckpt/``), a ``MoDETransformer`` or a
+    state dict (then ``dense_config`` is required). Raises ``ConfigError`` naming the field
+    when the target cannot be filled from that model."""
+    tcfg = target.model if isinstance(target, Config) else target
+    state, dcfg = load_dense(source, dense_config)
+    check_convertible(dcfg, tcfg)
+    if not 0.0 < gate_init < 1.0:
+        fail("gate_init", gate_init, "must be in (0, 1)")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MoDETransformer(tcfg)
+    gen = torch.Generator().manual_seed(seed)
+    own = {k: v for k, v in state.items() if not k.startswith("blocks.")}
+    model.load_state_dict(own, strict=False)
+    for i, block in enumerate(model.blocks):
+        prefix = f"blocks.{i}."
+        dense_block = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        _fill_block(block, dense_block, gen, noise, router_std, gate_init)
+    return model
+
+
+@torch.no_grad()
+def _fill_block(block: nn.Module, dense: StateDict, gen, noise: float, router_std: float, gate_init: float) -> None:
+    if isinstance(block, MoDBlock):
+        _normal(block.router.weight, router_std, gen)
+        gate = block.gate
+        block.router.bias.fill_(math.log(gate_init / (1 - gate_init)) if gate == "sigmoid" else gate_init)
+        _fill_block(block.block, dense, gen, noise, router_std, gate_init)
+    elif isinstance(block, DenseBlock):
+        block.load_state_dict(dense)
+    elif isinstance(block, TransformerBlock) and isinstance(block.mlp, MoELayer):
+        shared = {k: v for k, v in dense.items() if not k.startswith("mlp.")}
+        block.load_state_dict(shared, strict=False)
+        _fill_moe(block.mlp, dense["mlp.fc.weight"], dense["mlp.proj.weight"], gen, noise, router_std)
+    else:
+        raise TypeError(f"upcycling does not know how to fill a {type(block).__name__}")
+
+
+def _fill_moe(moe: MoELayer, fc: torch.Tensor, proj: torch.Tensor, gen, noise: float, router_std: float) -> None:
+    """Experts from the dense MLP ``fc`` [H, D], ``proj`` [D, H] (see the module docstring)."""
+    E, _, d_ff = moe.experts.w1.shape
+    H = fc.shape[0]
+    k = 1 if d_ff == H else moe.top_k
+    for e in range(E):
+        hidden = slice((e % k) * d_ff, (e % k + 1) * d_ff)
+        moe.experts.w1[e] = fc[hidden].T
+        moe.experts.w2[e] = proj[:, hidden].T * k
+        if noise:
+            for w in (moe.experts.w1, moe.experts.w2):
+                w[e] += noise * w[e].std() * torch.randn(w[e].shape, generator=gen)
+    _normal(moe.router.weight, router_std, gen)
+    moe.selection_bias.zero_()
+
+
+def _normal(w: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    w.copy_(torch.randn(w.shape, generator=gen) * std)
