@@ -114,3 +114,29 @@ def test_bench_train_tiny(tmp_path):
     assert ratios["dense/nanogpt", "fp32_eager"]["target"] == 1.05
     assert ratios["mod/dense", "bf16_eager"]["meets"] in (True, False)
     assert set(payload["peak_flops"]) == {"fp32", "bf16"}
+
+
+def test_upcycle_tiny(tmp_path):
+    tiny = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.moe.n_experts=4"]
+    tiny += ["train.batch_size=4", "train.eval_every=5", "train.eval_batches=1", "train.warmup_steps=2"]
+    args = ["--dense-seconds", "2", "--extra-seconds", "2", "--targets", "mod", "mode_integrated"]
+    args += ["--runs-dir", str(tmp_path / "runs"), *tiny]
+    results = run_script("upcycle.py", args, tmp_path)
+    payload = results["upcycle.json"]
+    phases = {(r["variant"], r["phase"]) for r in payload["rows"]}
+    assert phases == {
+        ("dense", "before conversion"),
+        ("dense", "continued"),
+        ("mod", "converted"),
+        ("mode_integrated", "converted"),
+        ("mod", "scratch"),
+        ("mode_integrated", "scratch"),
+    }
+    assert set(payload["checks"]) == {
+        "mod_loss_at_conversion_within_5pct",
+        "mod_step_faster",
+        "mod_no_worse_after_extra_budget",
+    }
+    converted = next(r for r in payload["rows"] if r["phase"] == "converted")
+    assert converted["history"][0]["seconds"] == payload["convert_at_seconds"] > 0
+    assert (tmp_path / "upcycle.png").exists()
