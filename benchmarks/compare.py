@@ -4,6 +4,8 @@
     python benchmarks/compare.py --quick          # 1 minute per preset
     python benchmarks/compare.py --seconds 240 --presets dense mod --label short
     python benchmarks/compare.py --timing-only    # step times of fresh models, side by side (~2 min)
+    python benchmarks/compare.py --seeds 3        # each preset with 3 seeds, claims with 95% intervals
+    python benchmarks/compare.py --data my.txt    # the ranking on your own text (bytes)
 
 Per variant: parameters, active parameters, training FLOPs per step, median step time in its
 own run, steps done, final validation loss (bits per byte) in top-k and in causal routing mode.
@@ -15,6 +17,13 @@ VM's speed drifts by up to ~10% between runs of a few minutes, so step-time rati
 Plots validation loss against wall-clock and against cumulative FLOPs (results/compare.png),
 writes results/compare.json, and checks the claims below on this run's numbers (it reports
 them; it never tunes anything until they agree).
+
+With ``--seeds N`` every preset trains N times (``train.seed`` = seed base + i: data order
+and initialisation), seed by seed round-robin over the presets, so machine drift does not
+land on one variant. The table gives mean and standard deviation; each loss claim is judged
+from the per-seed paired differences (mean and 95% t interval, ``benchmarks/stats.py``):
+``holds``, ``reversed`` or ``not shown``. ``--write-readme`` puts the claim table generated
+from the JSON into README.md between its ``claims`` markers.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from common import (  # noqa: E402
     print_table,
     write_json,
 )
+from stats import paired_interval, summarize, verdict  # noqa: E402
 
 from mode.config import Config, load_config  # noqa: E402
 from mode.data import load_splits  # noqa: E402
@@ -48,8 +58,12 @@ PRESETS = list(BLOCK_KINDS)  # every block kind has a preset of its name
 BPB = 1 / math.log(2)
 
 
-def preset_config(preset: str, seconds: float, extra: list[str], runs_dir: str = "runs/compare") -> Config:
-    return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir={runs_dir}/{preset}", *extra])
+def preset_config(
+    preset: str, seconds: float, extra: list[str], runs_dir: str = "runs/compare", seed: int | None = None
+) -> Config:
+    out = f"{runs_dir}/{preset}" + (f"/seed{seed}" if seed is not None else "")
+    seeded = [f"train.seed={seed}"] if seed is not None else []
+    return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir={out}", *seeded, *extra])
 
 
 def run(preset: str, cfg: Config) -> tuple[dict, MoDETransformer]:
@@ -98,34 +112,78 @@ def interleaved_step_ms(models: dict[str, tuple[Config, MoDETransformer]], round
     return {name: 1000 * t for name, t in times.items()}
 
 
+SEEDED_METRICS = ("val_bpb", "val_bpb_causal", "step_ms", "steps")
+
+
+def merge_seeds(runs: list[dict]) -> dict:
+    """One preset's row from its per-seed rows: every metric's mean (under its own name), its
+    standard deviation (``<metric>_sd``) and per-seed values (``per_seed``)."""
+    row = {k: v for k, v in runs[0].items() if k not in SEEDED_METRICS}
+    row["seeds"] = [r["seed"] for r in runs]
+    row["per_seed"] = {m: [r[m] for r in runs] for m in SEEDED_METRICS if runs[0].get(m) is not None}
+    for metric, values in row["per_seed"].items():
+        s = summarize(values)
+        row[metric], row[f"{metric}_sd"] = s["mean"], s["sd"]
+    return row
+
+
 def claims(rows: dict[str, dict]) -> dict[str, dict]:
-    """The issue's targets, evaluated on this run's numbers (left out where a variant or its
-    measurement is missing: step-time claims need the interleaved timing, loss claims training)."""
+    """The README's claims, evaluated on this run: loss claims from the per-seed paired
+    differences (mean, 95% interval, verdict: one seed gives "not shown"), the step-time
+    claim from the interleaved timing (one measurement: "holds" or "reversed"). Claims whose
+    variants were not run are left out."""
     out = {}
 
-    def add(name, value, ok):
-        out[name] = {"value": value, "holds": ok}
+    def loss_claim(name: str, a: str, b: str) -> None:
+        iv = paired_interval(rows[a]["per_seed"]["val_bpb"], rows[b]["per_seed"]["val_bpb"])
+        out[name] = {**iv, "value": iv["mean"], "verdict": verdict(iv), "holds": verdict(iv) == "holds"}
 
     if "dense" in rows and "mod" in rows and rows["mod"].get("step_ratio") is not None:
         r = rows["mod"]["step_ratio"]
-        add("MoD step time <= 0.60x dense", r, r <= 0.60)
-    rows = {name: r for name, r in rows.items() if "val_bpb" in r}
+        out["MoD step time <= 0.60x dense"] = {
+            "value": r, "verdict": "holds" if r <= 0.60 else "reversed", "holds": r <= 0.60, "n": 1,
+        }  # fmt: skip
+    rows = {name: r for name, r in rows.items() if "per_seed" in r and "val_bpb" in r["per_seed"]}
     mods = [v for v in ("mod", "mode_staged") if v in rows]
     if "dense" in rows and mods:
         best = min(mods, key=lambda v: rows[v]["val_bpb"])
-        add(
-            f"best MoD variant ({best}) val loss <= dense at equal wall-clock",
-            rows[best]["val_bpb"] - rows["dense"]["val_bpb"],
-            rows[best]["val_bpb"] <= rows["dense"]["val_bpb"],
-        )
+        loss_claim(f"best MoD variant ({best}) val loss < dense at equal wall-clock", best, "dense")
+    if "mod" in rows and "mod_random" in rows:
+        loss_claim("learned MoD routing val loss < random routing (mod_random)", "mod", "mod_random")
     if "mode_integrated" in rows and "moe_capacity" in rows:
-        d = rows["mode_integrated"]["val_bpb"] - rows["moe_capacity"]["val_bpb"]
-        add("integrated MoDE val loss < capacity MoE dropping the same share", d, d < 0)
+        loss_claim("integrated MoDE val loss < capacity MoE dropping the same share", "mode_integrated", "moe_capacity")
     for v in ("mode_staged", "mode_integrated"):
         if v in rows and "moe" in rows:
-            d = rows[v]["val_bpb"] - rows["moe"]["val_bpb"]
-            add(f"{v} val loss < plain MoE at equal wall-clock", d, d < 0)
+            loss_claim(f"{v} val loss < plain MoE at equal wall-clock", v, "moe")
     return out
+
+
+def claims_markdown(payload: dict) -> str:
+    """The claim table of a compare.py JSON, as README markdown (generated, never typed)."""
+    seeds = payload.get("seeds") or [None]
+    lines = [
+        f"Generated by `compare.py --write-readme` from `{payload.get('json_name', 'compare.json')}`: "
+        f"{payload['seconds']:.0f} s per run, {len(seeds)} seed(s) {seeds}, corpus {payload.get('corpus', '?')}. "
+        "Loss claims: mean paired difference (bits/byte) over seeds and its 95% interval.",
+        "",
+        "| claim | value | 95% interval | seeds | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for name, c in payload["claims"].items():
+        interval = f"[{c['lo']:+.3f}, {c['hi']:+.3f}]" if c.get("lo") is not None else "-"
+        lines.append(f"| {name} | {c['value']:+.3f} | {interval} | {c.get('n', 1)} | **{c['verdict']}** |")
+    return "\n".join(lines) + "\n"
+
+
+def write_readme_claims(markdown: str, readme: Path) -> None:
+    """Replace the text between ``<!-- claims:begin -->`` and ``<!-- claims:end -->``."""
+    text = readme.read_text()
+    begin, end = "<!-- claims:begin -->", "<!-- claims:end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"{readme} has no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{begin}\n{markdown}{end}{tail}")
 
 
 def plot(rows: dict[str, dict], path: Path) -> None:
@@ -163,6 +221,17 @@ def main() -> None:
     p.add_argument("--runs-dir", default="runs/compare", help="checkpoints and metrics: <runs-dir>/<preset>/")
     p.add_argument("--timing-rounds", type=int, default=9, help="interleaved step-time rounds (0: skip)")
     p.add_argument("--timing-only", action="store_true", help="no training: time fresh models side by side")
+    p.add_argument("--seeds", type=int, default=1, help="training runs per preset, seeds interleaved (full run: 3)")
+    p.add_argument("--seed-base", type=int, default=1337, help="seed of the first run (train.seed); then +1, +2, ...")
+    p.add_argument("--data", default=None, help="a corpus instead of Shakespeare (data.source: text or token file)")
+    p.add_argument(
+        "--write-readme",
+        nargs="?",
+        const="README.md",
+        default=None,
+        metavar="README",
+        help="write the claim table into README.md (or the given file) between its claims markers",
+    )
     p.add_argument("overrides", nargs="*", help="dotlist overrides for every preset, e.g. train.batch_size=4")
     add_compare_option(p)
     args = p.parse_args()
@@ -172,19 +241,26 @@ def main() -> None:
     before = load_run(result_name, args.compare)
     seconds = 60.0 if args.quick else args.seconds
     extra = ["train.progress=false", *args.overrides]
+    if args.data:
+        extra.append(f"data.source={args.data}")
     if args.quick:
         extra.append("train.eval_every=20")
     rows, models = {}, {}
-    for preset in args.presets:
-        torch.manual_seed(0)
-        cfg = preset_config(preset, seconds, extra, args.runs_dir)
-        if args.timing_only:
-            model = MoDETransformer(cfg.model)
-            rows[preset] = describe(preset, cfg, model) | {"history": []}
-        else:
-            rows[preset], model = run(preset, cfg)
-            print(f"{preset}: {rows[preset]['steps']} steps, val {rows[preset]['val_bpb']:.3f} bpb", flush=True)
-        models[preset] = (cfg, model)
+    seeds = [args.seed_base + i for i in range(args.seeds)]
+    per_seed: dict[str, list[dict]] = {p: [] for p in args.presets}
+    for seed in seeds:  # round-robin: every preset once per seed
+        for preset in args.presets:
+            torch.manual_seed(0)
+            cfg = preset_config(preset, seconds, extra, args.runs_dir, seed if args.seeds > 1 else None)
+            if args.timing_only:
+                model = MoDETransformer(cfg.model)
+                per_seed[preset].append(describe(preset, cfg, model) | {"history": [], "seed": seed})
+            else:
+                row, model = run(preset, cfg)
+                per_seed[preset].append(row | {"seed": seed})
+                print(f"{preset} (seed {seed}): {row['steps']} steps, val {row['val_bpb']:.3f} bpb", flush=True)
+            models[preset] = (cfg, model)
+    rows = {p: merge_seeds(runs) if not args.timing_only else runs[0] for p, runs in per_seed.items()}
     if args.timing_rounds:
         for name, ms in interleaved_step_ms(models, args.timing_rounds).items():
             rows[name]["step_ms_interleaved"] = ms
@@ -207,15 +283,31 @@ def main() -> None:
             ("step_ratio", "vs dense", ".2f"),
             ("steps", "steps", "d"),
             ("val_bpb", "val bpb", ".3f"),
+            ("val_bpb_sd", "sd", ".3f"),
             ("val_bpb_causal", "causal bpb", ".3f"),
         ],
     )
     checked = claims(rows)
     for name, c in checked.items():
-        print(f"claim: {name}: {c['value']:+.3f} -> {'holds' if c['holds'] else 'does NOT hold'}")
-    payload = {"seconds": 0 if args.timing_only else seconds, "overrides": args.overrides, "rows": rows}
-    path = write_json(result_name, payload | {"claims": checked}, args.label)
+        interval = f" [{c['lo']:+.3f}, {c['hi']:+.3f}]" if c.get("lo") is not None else ""
+        print(f"claim: {name}: {c['value']:+.3f}{interval} -> {c['verdict']}")
+    corpus = load_config(args.presets[0], extra).data.source
+    train_split, val_split, _ = load_splits(corpus, 8, 0.05) if not args.timing_only else (None, None, None)
+    payload = {
+        "seconds": 0 if args.timing_only else seconds,
+        "overrides": args.overrides,
+        "seeds": seeds,
+        "corpus": corpus,
+        "corpus_tokens": (len(train_split.tokens) + len(val_split.tokens)) if train_split is not None else None,
+        "rows": rows,
+        "claims": checked,
+        "json_name": f"{result_name}-{args.label}.json" if args.label else f"{result_name}.json",
+    }
+    path = write_json(result_name, payload, args.label)
     print(f"wrote {path}")
+    if args.write_readme and not args.timing_only:
+        write_readme_claims(claims_markdown(payload), Path(args.write_readme))
+        print(f"wrote the claim table into {args.write_readme}")
     if not args.timing_only:
         png = RESULTS_DIR / (f"compare-{args.label}.png" if args.label else "compare.png")
         plot(rows, png)

@@ -3,7 +3,7 @@
 from mode.config import Config, load_config
 from mode.experts.moe import CapacityMoE, DroplessMoE, ExpertChoiceMoE
 from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoEBlock
-from mode.layers.mod import MoDBlock, StagedMoDEBlock
+from mode.layers.mod import MoDBlock, RandomMoDBlock, StagedMoDEBlock
 from mode.model import MoDETransformer
 from mode.routed import after_optimizer_step, aux_loss, routing_metrics
 
@@ -18,6 +18,7 @@ __all__ = [
     "IntegratedMoDEBlock",
     "MoDBlock",
     "MoEBlock",
+    "RandomMoDBlock",
     "StagedMoDEBlock",
     "MoDETransformer",
     "aux_loss",

@@ -82,11 +82,42 @@ def test_compare_trains_then_times_side_by_side(tmp_path):
     assert rows["mod"]["step_ratio"] == pytest.approx(
         rows["mod"]["step_ms_interleaved"] / rows["dense"]["step_ms_interleaved"]
     )
-    assert {"MoD step time <= 0.60x dense", "best MoD variant (mod) val loss <= dense at equal wall-clock"} <= set(
+    assert {"MoD step time <= 0.60x dense", "best MoD variant (mod) val loss < dense at equal wall-clock"} <= set(
         payload["claims"]
     )
+    assert payload["claims"]["best MoD variant (mod) val loss < dense at equal wall-clock"]["verdict"] == "not shown"
     assert (tmp_path / "compare.png").is_file()
     assert (tmp_path / "runs" / "mod" / "metrics.jsonl").is_file()
+
+
+def test_compare_with_seeds_interleaves_and_writes_the_readme_claims(tmp_path):
+    overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- claims:begin -->\nold table\n<!-- claims:end -->\nrest\n")
+    args = [*overrides, "train.eval_every=5", "train.eval_batches=1", "--seconds", "1", "--timing-rounds", "0"]
+    args += ["--runs-dir", str(tmp_path / "runs"), "--seeds", "2", "--data", str(corpus), "--write-readme", str(readme)]
+    payload = run_script("compare.py", [*args, "--presets", "dense", "mod", "mod_random"], tmp_path)["compare.json"]
+    assert payload["seeds"] == [1337, 1338] and payload["corpus"] == str(corpus)
+    assert payload["corpus_tokens"] == len(corpus.read_bytes())
+    for name, row in payload["rows"].items():
+        assert row["seeds"] == [1337, 1338] and len(row["per_seed"]["val_bpb"]) == 2
+        assert row["val_bpb"] == pytest.approx(sum(row["per_seed"]["val_bpb"]) / 2)
+        assert (tmp_path / "runs" / name / "seed1338" / "metrics.jsonl").is_file()
+    # Seed by seed, round-robin over the presets: every preset's seed 1337 run before any 1338 run.
+    mtimes = {
+        (p, s): (tmp_path / "runs" / p / f"seed{s}" / "config.json").stat().st_mtime
+        for p in payload["rows"]
+        for s in (1337, 1338)
+    }
+    assert max(mtimes[p, 1337] for p in payload["rows"]) < min(mtimes[p, 1338] for p in payload["rows"])
+    random_claim = payload["claims"]["learned MoD routing val loss < random routing (mod_random)"]
+    assert random_claim["n"] == 2 and random_claim["lo"] <= random_claim["value"] <= random_claim["hi"]
+    assert random_claim["verdict"] in ("holds", "reversed", "not shown")
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("intro") and text.rstrip().endswith("rest")
+    assert "learned MoD routing val loss < random routing (mod_random)" in text and "| claim |" in text
 
 
 def test_bench_sampling_tiny_compares_target_values(tmp_path):

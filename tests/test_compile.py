@@ -17,7 +17,7 @@ from mode.step import build_optimizer, train_step
 from mode.train import train
 
 # Every block kind of every preset, in one model: each kind is compiled once.
-EVERY_KIND = "dense,mod,moe,moe_capacity,mode_staged,mode_integrated"
+EVERY_KIND = "dense,mod,mod_random,moe,moe_capacity,mode_staged,mode_integrated"
 SMALL = ["model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.moe.n_experts=4"]
 WARMUP, AFTER = 3, 4
 
@@ -26,7 +26,7 @@ WARMUP, AFTER = 3, 4
 def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup():
     torch._dynamo.reset()
     counters.clear()
-    layout = [f"model.layout={EVERY_KIND}", "model.n_layers=6", "model.moe.n_noop=4", "model.mod.causal=predictor"]
+    layout = [f"model.layout={EVERY_KIND}", "model.n_layers=7", "model.moe.n_noop=4", "model.mod.causal=predictor"]
     cfg = load_config(None, [*SMALL, *layout])
     torch.manual_seed(0)
     eager = MoDETransformer(cfg.model)

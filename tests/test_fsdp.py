@@ -187,3 +187,17 @@ def test_bf16_under_fsdp_gathers_blocks_in_bf16_routers_in_fp32_and_tracks_fp32(
     # (measured: ~5e-4; a block gathered in the wrong dtype or a wrongly scaled gradient is off
     # by more than 0.02 by the second step).
     assert max(abs(a - b) for a, b in zip(bf16, reference, strict=True)) < 0.01, (bf16, reference)
+
+
+def accum_worker(rank, world, root):
+    cfg = config("moe", Path(root) / "dp2-accum2", scope="sequence", dp=2)
+    cfg.train.grad_accum_steps = 2  # per rank: 4 rows as 2 micro-batches of 2
+    train(cfg)
+
+
+@pytest.mark.slow
+def test_accumulation_under_fsdp_equals_one_process_on_the_whole_batch(tmp_path):
+    run_workers(accum_worker, 2, str(tmp_path))
+    train(config("moe", tmp_path / "one", scope="sequence"))
+    got, want = losses(tmp_path / "dp2-accum2"), losses(tmp_path / "one")
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4, (got, want)

@@ -125,3 +125,27 @@ def test_bad_arguments():
         MoDBlock(D, H, capacity=1.5)
     with pytest.raises(ValueError, match="gate"):
         MoDBlock(D, H, gate="relu")
+
+
+def test_random_routing_control_routes_exactly_k_random_tokens_without_gradient():
+    import mode
+    from mode.step import build_optimizer
+
+    torch.manual_seed(0)
+    block = mode.RandomMoDBlock(32, 4, capacity=0.25)
+    x = torch.randn(3, 16, 32, requires_grad=True)
+    out = block(x)
+    changed = (out - x).abs().sum(-1) > 0  # [B, T]: the tokens the block updated
+    assert changed.sum(1).tolist() == [4, 4, 4]  # k = 0.25 * 16 per sequence
+    out2 = block(x)
+    assert not torch.equal((out2 - x).abs().sum(-1) > 0, changed)  # a fresh draw each forward
+    scores = block.router_logits(x)
+    assert not scores.requires_grad and scores.min() >= 0 and scores.max() < 1
+    out.sum().backward()
+    assert block.router.weight.grad is None and not block.router.weight.requires_grad
+    cfg = mode.load_config("mod_random", ["model.d_model=32", "model.n_heads=4", "model.n_layers=2"])
+    lm = mode.MoDETransformer(cfg.model)
+    routers = {id(p) for b in lm.blocks if isinstance(b, mode.RandomMoDBlock) for p in b.router.parameters()}
+    optimized = {id(p) for g in build_optimizer(lm, cfg.train).param_groups for p in g["params"]}
+    assert routers and not routers & optimized
+    assert not lm.supports_causal()

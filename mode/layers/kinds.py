@@ -23,7 +23,7 @@ from mode.experts.mlp import mlp_flops
 from mode.experts.moe import MOE_CLASSES, MoELayer, moe_flops
 from mode.layers.attention import attention_flops
 from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoEBlock
-from mode.layers.mod import MoDBlock, StagedMoDEBlock
+from mode.layers.mod import MoDBlock, RandomMoDBlock, StagedMoDEBlock
 from mode.routing.expert_choice import capacity_to_k
 
 if TYPE_CHECKING:
@@ -72,6 +72,11 @@ def _mod_flops(cfg: ModelConfig, T: int, masked: bool) -> int:
     return _mod_router_flops(cfg, T) + (_dense_flops(cfg, k, masked) if k else 0)
 
 
+def _mod_random_flops(cfg: ModelConfig, T: int, masked: bool) -> int:
+    k = capacity_to_k(cfg.mod.capacity, T)
+    return _dense_flops(cfg, k, masked) if k else 0  # no router: random scores
+
+
 def _moe_block_flops(cfg: ModelConfig, T: int, masked: bool, capacity: bool = False, n_noop: int = 0) -> int:
     # Integrated MoDE: the balance loss targets ``noop_share`` of assignments on the no-op
     # experts, so that share is expected to cost nothing.
@@ -93,6 +98,10 @@ def _dense(cfg: ModelConfig) -> nn.Module:
 
 def _mod(cfg: ModelConfig) -> nn.Module:
     return MoDBlock.from_config(cfg.d_model, cfg.n_heads, cfg.mod, mlp_ratio=cfg.mlp_ratio, rope_base=cfg.rope_base)
+
+
+def _mod_random(cfg: ModelConfig) -> nn.Module:
+    return RandomMoDBlock(cfg.d_model, cfg.n_heads, cfg.mod.capacity, cfg.mlp_ratio, cfg.rope_base)
 
 
 def _moe(capacity: bool) -> Callable[[ModelConfig], nn.Module]:
@@ -119,6 +128,7 @@ def _token_choice(cfg: ModelConfig) -> bool:
 BLOCK_KINDS: dict[str, BlockKind] = {
     "dense": BlockKind(_dense, _dense_flops, False, lambda cfg: True),
     "mod": BlockKind(_mod, _mod_flops, False, _mod_causal),
+    "mod_random": BlockKind(_mod_random, _mod_random_flops, False, lambda cfg: False),
     "moe": BlockKind(_moe(False), _moe_block_flops, True, _token_choice),
     "moe_capacity": BlockKind(
         _moe(True), lambda cfg, T, m: _moe_block_flops(cfg, T, m, capacity=True), True, lambda cfg: False

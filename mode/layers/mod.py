@@ -236,6 +236,29 @@ class MoDBlock(Routed):
         return x.index_copy(0, rows, x_r + g * delta)
 
 
+class RandomMoDBlock(MoDBlock):
+    """The stochastic-routing control of the MoD paper: the same block, but each sequence's
+    ``k = floor(capacity * T)`` routed tokens are drawn uniformly at random (scores from
+    ``torch.rand``, no gradient) and take the update ungated (g = 1). Its router weights are
+    unused and frozen."""
+
+    def __init__(
+        self, d_model: int, n_heads: int, capacity: float = 0.125, mlp_ratio: int = 4, rope_base: float = 10000.0
+    ) -> None:
+        super().__init__(d_model, n_heads, capacity, mlp_ratio, gate="none", rope_base=rope_base, causal="none")
+        self.router.requires_grad_(False)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T] uniform random scores (the global torch RNG; no gradient)."""
+        return torch.rand(x.shape[:2], device=x.device)
+
+    def non_causal_reason(self) -> str | None:
+        return "random routing draws k tokens of the whole sequence: sample without the cache (use_cache=False)"
+
+    def extra_repr(self) -> str:
+        return f"capacity={self.capacity}, routing='random'"
+
+
 class StagedMoDEBlock(MoDBlock):
     """Staged MoDE: a MoD router picks ``floor(capacity * T)`` tokens per sequence around the
     whole block; only they go through attention and a (dropless by default) MoE MLP. Output
