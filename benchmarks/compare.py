@@ -281,7 +281,7 @@ def main() -> None:
             ("step_ms", "step ms (own run)", ".0f"),
             ("step_ms_interleaved", "step ms (side by side)", ".0f"),
             ("step_ratio", "vs dense", ".2f"),
-            ("steps", "steps", "d"),
+            ("steps", "steps", ".0f"),
             ("val_bpb", "val bpb", ".3f"),
             ("val_bpb_sd", "sd", ".3f"),
             ("val_bpb_causal", "causal bpb", ".3f"),

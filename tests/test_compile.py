@@ -19,7 +19,11 @@ from mode.train import train
 # Every block kind of every preset, in one model: each kind is compiled once.
 EVERY_KIND = "dense,mod,mod_random,moe,moe_capacity,mode_staged,mode_integrated"
 SMALL = ["model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.moe.n_experts=4"]
-WARMUP, AFTER = 3, 4
+# Warm-up: the first step compiles each block kind; later steps recompile a few graphs once,
+# when a data-dependent size first differs from the value compiled in (automatic dynamic
+# shapes then make it symbolic: the capacity MoE's kept assignments, the dropless MoE's
+# assignment count); after that, nothing, however the sizes move.
+WARMUP, AFTER, MAX_WARMUP_RECOMPILES = 6, 6, 4
 
 
 @pytest.mark.slow
@@ -36,6 +40,8 @@ def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup():
     gen = torch.Generator().manual_seed(1)
     after_warmup = None
     for step in range(WARMUP + AFTER):
+        if step == 1:
+            after_first = counters["stats"]["unique_graphs"]
         if step == WARMUP:
             after_warmup = counters["stats"]["unique_graphs"]
         x = torch.randint(0, 256, (4, 32), generator=gen)
@@ -46,7 +52,8 @@ def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup():
         got = train_step(compiled, opts[1], x, y, grad_clip=1.0)
         torch.testing.assert_close(got.loss, ref.loss, atol=2e-4, rtol=2e-4, msg=f"step {step}")
         torch.testing.assert_close(got.aux, ref.aux, atol=2e-4, rtol=2e-3, msg=f"step {step}")
-    assert after_warmup > 0, "nothing was compiled"
+    assert after_first > 0, "nothing was compiled"
+    assert after_warmup - after_first <= MAX_WARMUP_RECOMPILES
     assert counters["stats"]["unique_graphs"] == after_warmup, "recompiled after warm-up"
 
 

@@ -248,9 +248,17 @@ class RandomMoDBlock(MoDBlock):
         super().__init__(d_model, n_heads, capacity, mlp_ratio, gate="none", rope_base=rope_base, causal="none")
         self.router.requires_grad_(False)
 
+    # NOTE: outside compiled graphs, so that a compiled model draws what the eager one draws
+    # (inductor has its own RNG).
+    @torch.compiler.disable
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T] uniform random scores (the global torch RNG; no gradient)."""
-        return torch.rand(x.shape[:2], device=x.device)
+        """x: [B, T, D] -> [B, T] uniform random scores, no gradient: from the global torch RNG
+        in training, from a generator seeded 0 at every forward in evaluation, so that an
+        evaluated model is a fixed function of its input (repeatable validation losses)."""
+        if self.training:
+            return torch.rand(x.shape[:2], device=x.device)
+        gen = torch.Generator(x.device).manual_seed(0)
+        return torch.rand(x.shape[:2], device=x.device, generator=gen)
 
     def non_causal_reason(self) -> str | None:
         return "random routing draws k tokens of the whole sequence: sample without the cache (use_cache=False)"
