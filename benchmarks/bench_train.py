@@ -36,7 +36,17 @@ from mode.precision import PRECISION_DTYPES, autocast  # noqa: E402
 from mode.step import build_optimizer, train_step  # noqa: E402
 from mode.telemetry import measure_peak_flops  # noqa: E402
 
-PRESETS = ["dense", "mod", "moe", "mode_staged", "mode_integrated", "nanogpt", "dense_norope"]
+PRESETS = [
+    "dense",
+    "mod",
+    "mod_random",
+    "moe",
+    "moe_capacity",
+    "mode_staged",
+    "mode_integrated",
+    "nanogpt",
+    "dense_norope",
+]
 MODES = {"fp32_eager": ("fp32", False), "bf16_eager": ("bf16", False), "bf16_compiled": ("bf16", True)}
 TARGETS = {"dense/nanogpt": 1.05, "mod/dense": 0.60, "moe/dense": 1.05, "bf16/fp32": 0.6, "compiled/eager": 0.9}
 
