@@ -27,27 +27,43 @@ PRECISION_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch
 BF16_MIN_SPEEDUP = 1.3
 
 
+def matmul_seconds(
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    reps: int,
+    per_rep: int = 1,
+    warmup: int = 1,
+    min_seconds: float = 0.0,
+) -> tuple[float, int]:
+    """Best time of one ``[n, n] @ [n, n]`` matmul in ``dtype`` on ``device``: ``warmup``
+    untimed, then timings of ``per_rep`` matmuls each, at least ``reps`` of them and until
+    ``min_seconds`` were spent. Returns (seconds per matmul, timings taken)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(warmup):
+        a @ b
+    sync()
+    best, spent, taken = float("inf"), 0.0, 0
+    while taken < reps or spent < min_seconds:
+        t0 = time.perf_counter()
+        for _ in range(per_rep):
+            a @ b
+        sync()
+        dt = time.perf_counter() - t0
+        best, spent, taken = min(best, dt), spent + dt, taken + 1
+    return best / per_rep, taken
+
+
 @functools.cache
 def bf16_speedup(device: str = "cpu") -> float:
-    """fp32 time / bf16 time of a 512^3 matmul on ``device`` (best of 5 after a warm-up)."""
+    """fp32 time / bf16 time of a 512^3 matmul on ``device`` (best of 5 timings of 4 after a
+    warm-up)."""
     dev = torch.device(device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    a = torch.randn(512, 512, device=dev)
-
-    def best(x: torch.Tensor) -> float:
-        x @ x
-        sync()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(4):
-                x @ x
-            sync()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     try:
-        return best(a) / best(a.bfloat16())
+        fp32, _ = matmul_seconds(512, torch.float32, dev, reps=5, per_rep=4)
+        return fp32 / matmul_seconds(512, torch.bfloat16, dev, reps=5, per_rep=4)[0]
     except RuntimeError:  # no bf16 matmul on this device
         return 0.0
 

@@ -2,42 +2,33 @@
 peak memory, and ``torch.profiler`` traces of chosen steps.
 
 MFU = achieved FLOP/s (model FLOPs per step from ``mode.flops`` / step time, over every rank)
-divided by the peak of all ranks, where a rank's peak is measured once at start with a square
-matmul of the training dtype (not a datasheet number: on CPU there is none).
+divided by the peak of all ranks, where a rank's peak is measured once per process with a
+square matmul of the training dtype (not a datasheet number: on CPU there is none).
 """
 
 from __future__ import annotations
 
+import functools
 import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from mode.precision import matmul_seconds
+
 PEAK_MATMUL_SIZE = 2048
 
 
+@functools.cache
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> tuple[float, str]:
     """FLOP/s of ``[n, n] @ [n, n]`` matmuls in ``dtype`` on ``device`` (best of repeated
-    timings after a warm-up), and a sentence saying how it was measured."""
+    timings after a warm-up, ``mode.precision.matmul_seconds``), and a sentence saying how it
+    was measured. Measured once per process and device: later runs reuse it."""
     n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        a @ b
-    sync()
-    best, spent, reps = float("inf"), 0.0, 0
-    while spent < seconds or reps < 3:
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        dt = time.perf_counter() - t0
-        best, spent, reps = min(best, dt), spent + dt, reps + 1
-    flops = 2 * n**3 / best
+    best, reps = matmul_seconds(n, dtype, device, reps=3, warmup=3, min_seconds=seconds)
     how = f"best of {reps} {n}x{n}x{n} {str(dtype).removeprefix('torch.')} matmuls on {device.type}"
-    return flops, how
+    return 2 * n**3 / best, how
 
 
 def peak_memory_bytes(device: torch.device) -> int:
