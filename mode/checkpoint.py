@@ -198,6 +198,15 @@ def optimizer_state_dict(
     return out
 
 
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: ParallelContext | None) -> dict:
+    """What a DCP checkpoint holds, as tensors sharing storage with the model and optimizer:
+    ``dcp.save`` writes them, ``dcp.load`` fills them in place."""
+    state = {"model": sharded_state_dict(model, ctx)}
+    if optimizer is not None:
+        state["optim"] = optimizer_state_dict(model, optimizer, ctx)
+    return state
+
+
 def save_sharded(
     path: str | Path,
     model: nn.Module,
@@ -214,10 +223,7 @@ def save_sharded(
     if rank == 0 and tmp.exists():
         shutil.rmtree(tmp)
     _barrier()
-    state = {"model": sharded_state_dict(model, ctx)}
-    if optimizer is not None:
-        state["optim"] = optimizer_state_dict(model, optimizer, ctx)
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(_dcp_state(model, optimizer, ctx), checkpoint_id=str(tmp))
     if rank == 0 and extra is not None:
         torch.save(extra, tmp / "extra.pt")
     _barrier()
@@ -245,10 +251,7 @@ def load_sharded(
     """Load a checkpoint saved by ``save_sharded`` into ``model`` (and ``optimizer``) on any
     dp x ep layout, in place; returns ``extra``."""
     path = Path(path)
-    state = {"model": sharded_state_dict(model, ctx)}
-    if optimizer is not None:
-        state["optim"] = optimizer_state_dict(model, optimizer, ctx)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(_dcp_state(model, optimizer, ctx), checkpoint_id=str(path))
     extra = path / "extra.pt"
     return torch.load(extra, weights_only=False) if extra.exists() else {}
 

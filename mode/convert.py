@@ -159,7 +159,6 @@ def _fill_moe(moe: MoELayer, fc: torch.Tensor, proj: torch.Tensor, gen, noise: f
             for w in (moe.experts.w1, moe.experts.w2):
                 w[e] += noise * w[e].std() * torch.randn(w[e].shape, generator=gen)
     _normal(moe.router.weight, router_std, gen)
-    moe.selection_bias.zero_()
 
 
 def _normal(w: torch.Tensor, std: float, gen: torch.Generator) -> None:

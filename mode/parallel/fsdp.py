@@ -99,10 +99,11 @@ def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext | Non
     Under FSDP2 each rank holds a disjoint piece of every gradient (the non-expert ones split
     over the world, the experts over ep and then dp), so the squared norm is the sum over
     the world of each rank's local sums: one all-reduce."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
     if ctx is None:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters() if p.grad is not None
+    ]
     sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for g in local:
         sq += g.float().pow(2).sum()
