@@ -291,8 +291,11 @@ def main() -> None:
     for name, c in checked.items():
         interval = f" [{c['lo']:+.3f}, {c['hi']:+.3f}]" if c.get("lo") is not None else ""
         print(f"claim: {name}: {c['value']:+.3f}{interval} -> {c['verdict']}")
-    corpus = load_config(args.presets[0], extra).data.source
-    train_split, val_split, _ = load_splits(corpus, 8, 0.05) if not args.timing_only else (None, None, None)
+    data = load_config(args.presets[0], extra).data
+    corpus = data.source
+    train_split, val_split, _ = (
+        load_splits(corpus, 8, data.val_fraction, data.cache_dir) if not args.timing_only else (None, None, None)
+    )
     payload = {
         "seconds": 0 if args.timing_only else seconds,
         "overrides": args.overrides,

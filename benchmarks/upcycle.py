@@ -42,9 +42,10 @@ def config(preset: str, seconds: float, out: Path, extra: list[str]):
     return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir={out}", *extra])
 
 
-def run(name: str, phase: str, cfg, offset: float = 0.0) -> dict:
-    """Train ``cfg``; its history shifted by ``offset`` seconds (the dense phase before it)."""
-    _, result = train(cfg)
+def run(name: str, phase: str, cfg, offset: float = 0.0, model=None) -> dict:
+    """Train ``cfg`` (from ``model`` when given); its history shifted by ``offset`` seconds
+    (the dense phase before it)."""
+    _, result = train(cfg, model=model)
     return {
         "variant": name,
         "phase": phase,
@@ -115,8 +116,9 @@ def main() -> None:
     at_conversion = {"dense": dense_bpb}
     for name in ["dense", *args.targets]:
         cfg = config(name, args.extra_seconds, runs / f"{name}-from-dense", [*extra, f"train.init_from={ckpt}"])
-        at_conversion[name] = val_bpb(upcycle(ckpt, cfg, seed=cfg.train.seed))
-        row = run(name, "continued" if name == "dense" else "converted", cfg, offset=convert_at)
+        converted = upcycle(ckpt, cfg, seed=cfg.train.seed)  # what train.init_from would build
+        at_conversion[name] = val_bpb(converted)
+        row = run(name, "continued" if name == "dense" else "converted", cfg, offset=convert_at, model=converted)
         row["val_bpb_at_conversion"] = at_conversion[name]
         row["history"].insert(0, {"step": 0, "seconds": convert_at, "val_loss": at_conversion[name] / BPB})
         rows.append(row)
