@@ -15,10 +15,11 @@ from mode.config import load_config
 from mode.model import MoDETransformer
 from mode.step import build_optimizer, train_step
 from mode.train import train
+from tests.tiny import TINY_MODEL
 
 # Every block kind of every preset, in one model: each kind is compiled once.
 EVERY_KIND = "dense,mod,mod_random,moe,moe_capacity,mode_staged,mode_integrated"
-SMALL = ["model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.moe.n_experts=4"]
+SMALL = TINY_MODEL  # the every-kind model overrides n_layers
 # Warm-up: the first step compiles each block kind; later steps recompile a few graphs once,
 # when a data-dependent size first differs from the value compiled in (automatic dynamic
 # shapes then make it symbolic: the capacity MoE's kept assignments, the dropless MoE's
@@ -59,7 +60,7 @@ def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup():
 
 @pytest.mark.slow
 def test_train_compile_flag_trains(tmp_path):
-    overrides = [*SMALL, "model.n_layers=2", "train.compile=true", "train.steps=3", "train.batch_size=4"]
+    overrides = [*SMALL, "train.compile=true", "train.steps=3", "train.batch_size=4"]
     cfg = load_config("mod", [*overrides, "train.max_seconds=0", "train.eval_every=3", "train.eval_batches=1"])
     cfg.train.out_dir, cfg.train.progress, cfg.train.log_every = str(tmp_path), False, 1
     model, result = train(cfg)

@@ -14,8 +14,9 @@ from mode.layers.mod import MoDBlock
 from mode.model import MoDETransformer
 from mode.train import main, train
 from tests.dist_utils import run_workers
+from tests.tiny import TINY_MODEL
 
-SMALL = ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.seq_len=32", "model.moe.n_experts=4"]
+SMALL = TINY_MODEL
 RUN = ["train.batch_size=4", "train.max_seconds=0", "train.eval_batches=1", "train.progress=false", "train.log_every=1"]
 ONE_EXPERT = ["model.moe.n_experts=1", "model.moe.top_k=1", "model.moe.d_ff=128"]
 IDX = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -16,6 +16,7 @@ from mode.model import MoDETransformer
 from mode.parallel.expert_parallel import dispatch_stats, parallelize
 from mode.parallel.mesh import check_sizes, init_mesh
 from tests.dist_utils import run_workers
+from tests.tiny import TINY_MODEL
 
 D, F_, E, N_PER_RANK = 16, 32, 8, 12
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -103,12 +104,8 @@ def test_expert_parallel_equals_single_process(kind, world, tmp_path):
 
 
 TRAIN = [
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.n_layers=2",
-    "model.seq_len=32",
+    *TINY_MODEL,
     "model.layout=dense,moe",
-    "model.moe.n_experts=4",
     "model.moe.lb_coef=0",
     "train.batch_size=8",
     "train.steps=10",

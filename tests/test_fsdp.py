@@ -15,14 +15,11 @@ from mode.model import MoDETransformer
 from mode.parallel.mesh import init_mesh
 from mode.train import build_optimizer, prepare_model, train
 from tests.dist_utils import run_workers
+from tests.tiny import TINY_MODEL
 
 PRESETS = ["moe", "mode_staged", "mode_integrated"]
 SMALL = [
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.n_layers=2",
-    "model.seq_len=32",
-    "model.moe.n_experts=4",
+    *TINY_MODEL,
     "model.moe.lb_coef=0.05",
     "train.batch_size=8",
     "train.steps=10",

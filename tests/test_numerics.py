@@ -12,6 +12,7 @@ from mode.checkpoint import load_checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
 from mode.train import NonFiniteTrainingError, train
+from tests.tiny import TINY_MODEL
 
 D = 32
 
@@ -83,12 +84,8 @@ def test_nan_tokens_rank_last_for_capacity_and_expert_choice_slots():
 
 
 BASE = [
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.n_layers=2",
-    "model.seq_len=32",
+    *TINY_MODEL,
     "model.layout=dense,moe",
-    "model.moe.n_experts=4",
     "train.batch_size=4",
     "train.eval_every=1000",
     "train.eval_batches=1",

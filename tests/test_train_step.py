@@ -12,13 +12,10 @@ from mode.layers.predictor import RoutingPredictor
 from mode.model import MoDETransformer
 from mode.step import train_step
 from mode.train import train
+from tests.tiny import TINY_MODEL
 
 SMALL = [
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.n_layers=2",
-    "model.seq_len=32",
-    "model.moe.n_experts=4",
+    *TINY_MODEL,
     "model.moe.lb_scope=sequence",  # a mean over sequences: linear in the micro-batches
     "model.moe.bias_rate=0.01",
     "train.grad_clip=0",
