@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_SECONDS ?= 60
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast lint bench gpu-check-cpu gpu-deps clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,16 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/bench_blocks.py
+
+# benchmarks/gpu_check.sh's steps on this CPU at small sizes (catches typos before a GPU run).
+gpu-check-cpu: install
+	OUT=$(CURDIR)/benchmarks/results/gpu-cpu-try bash benchmarks/gpu_check.sh --cpu-try
+
+# Pure-Python packages a bare GPU machine may lack, into .gpu_deps/ to travel with the tree
+# (gpu_check.sh puts it on PYTHONPATH). Wheels for this machine's Python version.
+gpu-deps: install
+	$(PY) -m pip install -q --no-deps --target .gpu_deps omegaconf "antlr4-python3-runtime==4.9.*" pyyaml \
+		pytest pluggy iniconfig packaging hypothesis sortedcontainers attrs
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mode.checks import ConfigError, check_choice, check_int, check_positive, check_range, closest, fail
 from mode.experts.moe import check_moe_args, expert_width
+from mode.layers.attention import ATTENTION_BACKENDS
 from mode.layers.checkpointing import ACTIVATION_CHECKPOINTS
 from mode.layers.kinds import BLOCK_KINDS
 from mode.layers.mod import check_mod_args
@@ -62,6 +63,8 @@ class RoutingConfig:
         toward top-k membership, "predictor" applies the top-k rule to the tokens so far (the
         detached router score against the k-th largest score of the prefix), corrected by a
         small MLP on ``x.detach()`` trained by BCE (``mode.layers.predictor``).
+    kernels: who moves the chosen tokens: "auto" (= torch), "torch", or "triton"
+        (``mode.kernels.mod_tokens``; CUDA, or CPU under TRITON_INTERPRET=1).
     """
 
     capacity: float = 0.125
@@ -69,6 +72,7 @@ class RoutingConfig:
     causal: str = "none"
     causal_coef: float = 0.01
     predictor_hidden: int = 64
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         check_mod_args(**vars(self), prefix="model.mod.")
@@ -115,7 +119,8 @@ class MoEConfig:
 @dataclass
 class ModelConfig:
     """Decoder-only LM. ``layout`` is a comma/space separated pattern of block kinds tiled to
-    ``n_layers`` (e.g. "dense,mod" = MoD every other block), or a full per-layer list."""
+    ``n_layers`` (e.g. "dense,mod" = MoD every other block), or a full per-layer list.
+    ``attention``: "sdpa" (default, any device) or "xformers" (CUDA; ``mode.layers.attention``)."""
 
     vocab_size: int = 256
     seq_len: int = 256
@@ -126,6 +131,7 @@ class ModelConfig:
     layout: str = "dense,mod"
     tie_embeddings: bool = True
     rope_base: float = 10000.0
+    attention: str = "sdpa"
     mod: RoutingConfig = field(default_factory=RoutingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -136,6 +142,7 @@ class ModelConfig:
             fail("model.d_model", self.d_model, f"must be divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even for RoPE")
+        check_choice("model.attention", self.attention, ATTENTION_BACKENDS)
         kinds = self.block_kinds()  # validates the layout
         if self.moe.n_noop and "mode_integrated" not in kinds:
             fail(

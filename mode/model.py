@@ -13,6 +13,7 @@ from torch import nn
 
 from mode.checks import check_int, check_number, fail
 from mode.config import ModelConfig
+from mode.layers.attention import CausalSelfAttention
 from mode.layers.blocks import check_routing
 from mode.layers.kinds import build_block
 from mode.layers.kv_cache import KVCache
@@ -34,6 +35,9 @@ class MoDETransformer(nn.Module):
         self.block_kinds = cfg.block_kinds()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(build_block(kind, cfg) for kind in self.block_kinds)
+        for module in self.blocks.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.set_backend(cfg.attention)
         self.norm = nn.LayerNorm(cfg.d_model, bias=False)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

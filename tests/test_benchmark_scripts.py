@@ -171,3 +171,25 @@ def test_upcycle_tiny(tmp_path):
     converted = next(r for r in payload["rows"] if r["phase"] == "converted")
     assert converted["history"][0]["seconds"] == payload["convert_at_seconds"] > 0
     assert (tmp_path / "upcycle.png").exists()
+
+
+def test_bench_kernels_small_on_cpu_with_the_interpreter_smoke_test(tmp_path):
+    pytest.importorskip("triton", reason="the interpreter smoke test needs Triton: pip install triton")
+    out: list[str] = []
+    args = ["--device", "cpu", "--small", "--interpret-smoke", "--repeats", "1", "--warmup", "0"]
+    payload = run_script("bench_kernels.py", args, tmp_path, out)["kernels.json"]
+    assert payload["triton"] == "not timed on a CPU"
+    assert {(r["op"], r["path"]) for r in payload["rows"]} == {
+        ("mod gather", "torch"),
+        ("mod gated scatter fwd+bwd", "torch"),
+        ("experts fwd", "torch"),
+        ("experts fwd+bwd", "torch"),
+    }
+    smoke = payload["interpreter_smoke"]
+    assert smoke[0] == "mod gather: equal"
+    for line in smoke[1:]:  # "...: max |diff| 1.2e-07"
+        assert float(line.rsplit(" ", 1)[1]) < 1e-5, line
+
+
+def test_gpu_check_script_parses():
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)

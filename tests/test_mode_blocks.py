@@ -34,9 +34,9 @@ def test_skipping_tokens_never_reach_the_experts(top_k):
         seen.append(x.shape[0])
         return sorted_entry(x, counts)
 
-    def count_scattered(x, counts, token_idx, weights):
+    def count_scattered(x, counts, token_idx, *rest):
         seen.append(token_idx.numel())
-        return scattered_entry(x, counts, token_idx, weights)
+        return scattered_entry(x, counts, token_idx, *rest)
 
     experts.forward_sorted, experts.forward_scattered = count_sorted, count_scattered
     B, T = 3, 16

@@ -7,6 +7,7 @@ from mode.experts.chunked import chunked_experts
 from mode.experts.grouped_gemm import CHUNKED_MIN_BYTES, get_backend, gmm_loop, gmm_torch, resolve_name
 from mode.experts.moe import CapacityMoE, DroplessMoE, ExpertChoiceMoE
 from mode.experts.permute import combine, permute, sort_by_expert, sorted_weights, unpermute
+from mode.kernels import triton_missing_reason
 from mode.layers.blocks import MoEBlock
 from mode.routing.token_choice import capacity_keep, expert_capacity
 from tests.reference import moe_reference
@@ -334,7 +335,9 @@ def test_backend_registry_explains_itself():
     assert resolve_name("auto", "cpu", torch.bfloat16, 512, 1024, rows=big) == "torch"  # half the bytes
     assert resolve_name("auto", "cpu", torch.float64, 512, 1024, rows=8) == "loop"  # no grouped_mm
     assert resolve_name("auto", "cuda", torch.bfloat16, 512, 1024) in ("megablocks", "torch")
-    assert resolve_name("auto", "cuda", torch.float32, 512, 1024) == "loop"  # CUDA grouped_mm: bf16/fp16
+    # CUDA grouped_mm is bf16/fp16 only: fp32 goes to our Triton kernels where importable, else loop.
+    fp32_cuda = "loop" if triton_missing_reason() else "triton"
+    assert resolve_name("auto", "cuda", torch.float32, 512, 1024) == fp32_cuda
     # chunked's grouped GEMM (tokens that arrive sorted, e.g. expert parallelism):
     assert get_backend("chunked", "cpu", torch.float32, 512, 1024) is gmm_torch
     assert get_backend("chunked", "cpu", torch.float64, 512, 1024) is gmm_loop

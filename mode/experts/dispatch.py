@@ -40,7 +40,8 @@ class LocalDispatcher(Dispatcher):
     ) -> torch.Tensor:
         if experts.uses_scattered(x, dispatch.token_idx.numel()):
             w = sorted_weights(weights, dispatch)
-            return experts.forward_scattered(x, dispatch.counts, dispatch.token_idx, w)
+            top_k = weights.shape[1]
+            return experts.forward_scattered(x, dispatch.counts, dispatch.token_idx, w, dispatch.order, top_k)
         return super().token_choice(x, dispatch, weights, experts)
 
     def __repr__(self) -> str:

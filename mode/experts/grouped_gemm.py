@@ -8,13 +8,24 @@ are multiplied by ``w[e]``. Backends:
   incoming gradient contiguous (the built-in CPU backward fails on expanded zero-stride
   gradients with "Invalid strides/sizes") and computes dX and dW with grouped GEMMs.
   Needs float32/bfloat16/float16 and K, M whose rows are 16-byte aligned.
-- ``megablocks``: MegaBlocks' grouped GEMM, CUDA only, imported only when asked for.
+- ``megablocks``: MegaBlocks' grouped GEMM (its ``grouped_gemm`` package), CUDA and bf16
+  only, imported only when asked for. The adapter follows that package's documented contract
+  (``ops.gmm(a, b, batch_sizes, trans_b=False)``: a [N, K] and b [E, K, M] contiguous bf16 on
+  the GPU, batch_sizes a CPU int64 [E]); it is checked against a stand-in on CPU and is
+  unverified on hardware until a GPU run has checked it.
+- ``triton``: our Triton kernels (``mode.kernels.scatter_gemm``), CUDA (or the CPU under
+  ``TRITON_INTERPRET=1``, for tests). Its token-choice entry point is ``scattered``: the first
+  GEMM reads token rows through the sorted-assignment index and the second writes back to
+  token order with the router weights applied, so neither [M, D] permuted buffer exists.
 - ``chunked``: not a grouped GEMM but a way to run the whole expert MLP: expert by expert on
   its token rows, with the gather and the weighted combine fused into that loop (see
   ``mode.experts.chunked``), which avoids the [M, D] permuted buffers. Where a grouped GEMM
   is still needed (tokens that arrive sorted, e.g. under expert parallelism) it uses
   ``torch`` where supported, else ``loop``.
-- ``auto``: on CUDA megablocks when importable, else torch where supported, else loop; on
+- ``auto``: on CUDA megablocks when importable, else torch where supported, else triton
+  where importable, else loop (torch before triton: ``torch._grouped_mm`` is the vendor's
+  grouped GEMM and our tiles are untuned; no GPU run has measured them against each other
+  yet, and triton comes before ``loop`` because one launch replaces E matmuls); on
   other devices ``chunked`` once the [M, D] sorted-token buffer it avoids would reach
   ``CHUNKED_MIN_BYTES``, else torch where supported, else loop (benchmarks/RESULTS.md,
   "auto on CPU").
@@ -22,6 +33,7 @@ are multiplied by ``w[e]``. Backends:
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Literal, get_args
 
@@ -29,6 +41,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from mode.checks import closest
+from mode.kernels import triton_unavailable_reason
 
 GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -106,25 +119,59 @@ def _torch_reason(device: torch.device, dtype: torch.dtype, k: int, m: int) -> s
 def _megablocks_reason(device: torch.device, dtype: torch.dtype, k: int, m: int) -> str | None:
     if device.type != "cuda":
         return "megablocks needs a CUDA device"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return "megablocks grouped GEMM needs bf16 or fp16"
-    try:
-        import grouped_gemm  # noqa: F401  (MegaBlocks' kernel package)
-    except ImportError:
+    if dtype != torch.bfloat16:
+        return "megablocks' grouped GEMM supports bf16 only (its kernel checks a, b and c are kBFloat16)"
+    if importlib.util.find_spec("grouped_gemm") is None:
         return "install the GPU extra: pip install 'mode-moe[gpu]' (megablocks, grouped_gemm)"
     return None
 
 
-def gmm_megablocks(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """MegaBlocks' CUTLASS grouped GEMM (CUDA; batch sizes live on the CPU as int64)."""
-    from grouped_gemm import ops  # noqa: PLC0415
+def megablocks_arguments(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, b, batch_sizes) as ``grouped_gemm.ops.gmm`` requires them: a = x [N, K] and b = w
+    [E, K, M] contiguous (its kernel checks ``is_contiguous``), batch_sizes = counts as a CPU
+    int64 [E] (it checks ``is_cpu`` for its cuBLAS build and ``kInt64``)."""
+    if x.dim() != 2 or w.dim() != 3 or counts.dim() != 1 or counts.numel() != w.shape[0]:
+        raise ValueError(
+            f"grouped GEMM needs x [N, K], w [E, K, M], counts [E]; got {tuple(x.shape)}, "
+            f"{tuple(w.shape)}, {tuple(counts.shape)}"
+        )
+    return x.contiguous(), w.contiguous(), counts.to("cpu", torch.int64)
 
-    return ops.gmm(x, w, counts.to("cpu", torch.int64), trans_b=False)
+
+def gmm_megablocks(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, gmm: Callable | None = None) -> torch.Tensor:
+    """MegaBlocks' CUTLASS grouped GEMM: ``grouped_gemm.ops.gmm(a, b, batch_sizes,
+    trans_b=False)`` (an autograd function; CUDA, bf16). ``gmm`` replaces that function (the
+    tests pass a pure-torch stand-in with the same signature)."""
+    if gmm is None:
+        from grouped_gemm import ops  # noqa: PLC0415
+
+        gmm = ops.gmm
+    return gmm(*megablocks_arguments(x, w, counts), trans_b=False)
 
 
-BackendName = Literal["loop", "torch", "megablocks", "chunked"]
+def _triton_reason(device: torch.device, dtype: torch.dtype, k: int, m: int) -> str | None:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the triton kernels support float32, bfloat16 and float16, not {dtype}"
+    return triton_unavailable_reason(device)
+
+
+def gmm_triton(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Our Triton grouped GEMM on rows already sorted by expert (``mode.kernels.scatter_gemm``)."""
+    from mode.kernels.scatter_gemm import grouped_mm  # noqa: PLC0415  (imports triton)
+
+    return grouped_mm(x, w, counts)
+
+
+BackendName = Literal["loop", "torch", "megablocks", "chunked", "triton"]
 BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
-BACKENDS: dict[str, GroupedGemm] = {"loop": gmm_loop, "torch": gmm_torch, "megablocks": gmm_megablocks}
+BACKENDS: dict[str, GroupedGemm] = {
+    "loop": gmm_loop,
+    "torch": gmm_torch,
+    "megablocks": gmm_megablocks,
+    "triton": gmm_triton,
+}
 # Which ``ExpertMLP`` entry point each backend implements: "sorted" (tokens already sorted by
 # expert, a grouped GEMM) or "scattered" (tokens in their own order with the dispatch: the
 # gather and the weighted combine fused into the expert loop).
@@ -133,12 +180,14 @@ ENTRY_POINTS: dict[str, Literal["sorted", "scattered"]] = {
     "torch": "sorted",
     "megablocks": "sorted",
     "chunked": "scattered",
+    "triton": "scattered",
 }
 _REASONS = {
     "loop": lambda *a: None,
     "torch": _torch_reason,
     "megablocks": _megablocks_reason,
     "chunked": lambda *a: None,
+    "triton": _triton_reason,
 }
 
 
@@ -172,7 +221,7 @@ def resolve_name(
     """The concrete backend on ``device``/``dtype`` for GEMMs of inner dim ``k`` and output
     dim ``m`` (d_model, d_ff) over ``rows`` expert assignments.
 
-    ``auto`` tries megablocks, torch, loop in that order on CUDA. Elsewhere it is ``chunked``
+    ``auto`` tries megablocks, torch, triton, loop in that order on CUDA. Elsewhere it is ``chunked``
     when ``rows * k`` elements of ``dtype`` reach ``CHUNKED_MIN_BYTES`` or ``rows`` is unknown
     (None), and otherwise torch where supported, else loop. A named backend that cannot run
     raises ``RuntimeError`` saying why and what to install.
@@ -184,7 +233,7 @@ def resolve_name(
                 return "chunked"
             return _grouped_fallback(device, dtype, k, m)
         reasons = {}
-        for candidate in ("megablocks", "torch", "loop"):
+        for candidate in ("megablocks", "torch", "triton", "loop"):
             reason = unavailable_reason(candidate, device, dtype, k, m)
             if reason is None:
                 return candidate

@@ -5,9 +5,10 @@ dim, E experts.
 
 - ``forward_sorted(x_sorted [M, D], counts [E]) -> [M, D]``: rows already sorted by expert,
   computed with a grouped GEMM backend (``loop``, ``torch``, ``megablocks``).
-- ``forward_scattered(x [N, D], counts, token_idx [M], weights [M]) -> [N, D]``: tokens in
-  their own order plus the dispatch; the gather and the weighted combine are fused into the
-  expert loop (backend ``chunked``).
+- ``forward_scattered(x [N, D], counts, token_idx [M], weights [M], slots [M], top_k) -> [N, D]``:
+  tokens in their own order plus the dispatch; the gather and the weighted combine are fused
+  into the expert loop (backend ``chunked``) or into the GEMMs' loads and stores (backend
+  ``triton``, ``mode.kernels.scatter_gemm``).
 
 Each backend declares which one it implements (``grouped_gemm.ENTRY_POINTS``);
 ``uses_scattered`` says which one this layer's backend resolves to for an input.
@@ -92,13 +93,28 @@ class ExpertMLP(nn.Module):
     forward = forward_sorted
 
     def forward_scattered(
-        self, x: torch.Tensor, counts: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        token_idx: torch.Tensor,
+        weights: torch.Tensor,
+        slots: torch.Tensor,
+        top_k: int,
     ) -> torch.Tensor:
-        """x [N, D] in token order; token_idx, weights [M] each assignment's token and combine
-        weight, grouped by expert; counts [E] -> ``out[n] = sum of weights[m] *
-        expert_m(x[n])`` over n's assignments ([N, D]): gather and combine fused in."""
+        """x [N, D] in token order; token_idx, weights, slots [M] each assignment's token,
+        combine weight and flat index ``n * top_k + j`` in the [N, top_k] assignment table,
+        grouped by expert; counts [E] -> ``out[n] = sum of weights[m] * expert_m(x[n])`` over
+        n's assignments ([N, D]): gather and combine fused in."""
         x, w1, w2, w3 = self._in_compute_dtype(x)
-        return chunked_experts(x, token_idx, counts, weights.to(x.dtype), w1, w2, w3)
+        d_model, d_ff = w1.shape[1:]
+        if resolve_name(self.backend, x.device, x.dtype, d_model, d_ff, token_idx.numel()) != "triton":
+            return chunked_experts(x, token_idx, counts, weights.to(x.dtype), w1, w2, w3)
+        from mode.kernels.scatter_gemm import gemm_combine, scattered_gemm  # noqa: PLC0415  (imports triton)
+
+        with torch.autocast(x.device.type, enabled=False):
+            h = scattered_gemm(x, w1, token_idx, slots, counts, top_k)
+            h3 = scattered_gemm(x, w3, token_idx, slots, counts, top_k) if w3 is not None else None
+            return gemm_combine(expert_activation(h, h3), w2, weights, token_idx, slots, counts, top_k, x.shape[0])
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """x: [E, C, D] padded per-expert buffers -> [E, C, D] with batched matmuls."""

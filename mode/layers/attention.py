@@ -4,13 +4,47 @@ Legend: B batch, T tokens (possibly a routed subset), H heads, Dh head dim, D = 
 A routed block gathers its chosen tokens in position order and passes their original
 positions, so RoPE and the causal mask are those of the full sequence restricted to the
 chosen set.
+
+Backends (``model.attention``): "sdpa" (``F.scaled_dot_product_attention``, any device, the
+default) and "xformers" (``xformers.ops.memory_efficient_attention`` with a lower-triangular
+bias over the packed chosen tokens, which is the causal mask by original position; CUDA only).
+Decode steps (one query against the cache's mask) always use SDPA.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Literal, get_args
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+AttentionBackend = Literal["sdpa", "xformers"]
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+
+
+def attention_unavailable_reason(backend: str, device: torch.device | str | None = None) -> str | None:
+    """Why attention ``backend`` cannot run (on ``device``, when given), or None when it can."""
+    if backend == "sdpa":
+        return None
+    if backend != "xformers":
+        return f"unknown attention backend {backend!r}: choose one of {list(ATTENTION_BACKENDS)}"
+    if importlib.util.find_spec("xformers") is None:
+        return "xformers is not installed: pip install xformers (or the GPU extra: pip install 'mode-moe[gpu]')"
+    if device is not None and torch.device(device).type != "cuda":
+        return f"xformers memory-efficient attention runs on CUDA here, not {torch.device(device).type}"
+    return None
+
+
+def xformers_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q, k, v: [B, H, T, Dh] -> [B, H, T, Dh], causal in token order (xformers' layout is
+    [B, T, H, Dh])."""
+    import xformers.ops as xops  # noqa: PLC0415
+
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    y = xops.memory_efficient_attention(q, k, v, attn_bias=xops.LowerTriangularMask())
+    return y.transpose(1, 2)
 
 
 def attention_flops(n: int, d: int, masked: bool = True) -> int:
@@ -70,6 +104,17 @@ class CausalSelfAttention(nn.Module):
         self.rope_base = rope_base
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.backend: AttentionBackend = "sdpa"
+
+    def set_backend(self, backend: str) -> None:
+        """Use attention ``backend`` ("sdpa" or "xformers") from now on; RuntimeError saying what
+        to install when it is not importable (the device is checked at forward)."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend={backend!r} is invalid: choose one of {list(ATTENTION_BACKENDS)}")
+        reason = attention_unavailable_reason(backend)
+        if reason is not None:
+            raise RuntimeError(f"attention backend {backend!r} cannot be used: {reason}")
+        self.backend = backend
 
     def project_qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: [B, T, D], positions: [B, T] -> q, k, v: [B, H, T, Dh] with RoPE applied to q, k."""
@@ -88,7 +133,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.project_qkv(x, positions)
         # NOTE: positions are ascending within a row, so "causal in token order" is "causal by
         # original position" (a routed block passes its chosen tokens in position order).
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.backend == "xformers":
+            reason = attention_unavailable_reason("xformers", x.device)
+            if reason is not None:
+                raise RuntimeError(f"attention backend 'xformers' cannot run: {reason}")
+            y = xformers_causal_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.output(y), k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -101,7 +101,7 @@ def _mod(cfg: ModelConfig) -> nn.Module:
 
 
 def _mod_random(cfg: ModelConfig) -> nn.Module:
-    return RandomMoDBlock(cfg.d_model, cfg.n_heads, cfg.mod.capacity, cfg.mlp_ratio, cfg.rope_base)
+    return RandomMoDBlock(cfg.d_model, cfg.n_heads, cfg.mod.capacity, cfg.mlp_ratio, cfg.rope_base, cfg.mod.kernels)
 
 
 def _moe(capacity: bool) -> Callable[[ModelConfig], nn.Module]:

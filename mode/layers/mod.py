@@ -16,6 +16,7 @@ import torch
 
 from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range
 from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer, expert_width
+from mode.kernels import triton_missing_reason, triton_unavailable_reason
 from mode.layers.blocks import DenseBlock, MoEBlock, TransformerBlock, check_routing, default_positions
 from mode.layers.kv_cache import KVCache
 from mode.layers.predictor import RoutingPredictor
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
 Gate = Literal["sigmoid", "identity", "none"]
 # How a token decides alone at sampling time (``mode.routing.causal``, ``RoutingPredictor``).
 CausalMethod = Literal["none", "router_bce", "predictor"]
+# Who moves the chosen tokens out and back: "torch" (index_select / index_add_ autograd
+# functions, any device), "triton" (``mode.kernels.mod_tokens``: CUDA, or CPU under
+# TRITON_INTERPRET=1), "auto" = torch until a GPU run measures triton faster (RESULTS.md).
+TokenKernels = Literal["auto", "torch", "triton"]
+TOKEN_KERNELS: tuple[str, ...] = get_args(TokenKernels)
 GATES = {"sigmoid": torch.sigmoid, "identity": lambda r: r, "none": torch.ones_like}
 CAUSAL_METHODS: tuple[str, ...] = get_args(CausalMethod)
 POSITION_BUCKETS = 10  # routed share per tenth of the positions (a health metric)
@@ -42,10 +48,12 @@ def check_mod_args(
     causal: str = "none",
     causal_coef: float = 0.01,
     predictor_hidden: int = 64,
+    kernels: str = "auto",
     prefix: str = "",
 ) -> None:
     """``ConfigError`` (a ``ValueError``) naming ``prefix + argument``, the value and the fix."""
     check_range(prefix + "capacity", capacity, 0.0, 1.0)
+    check_choice(prefix + "kernels", kernels, TOKEN_KERNELS)
     check_choice(prefix + "gate", gate, GATES)
     check_choice(prefix + "causal", causal, CAUSAL_METHODS)
     check_positive(prefix + "causal_coef", causal_coef, allow_zero=True)
@@ -67,6 +75,9 @@ class MoDBlock(Routed):
             ``x.detach()``).
         causal_coef: coefficient of that BCE loss.
         inner: the block to route around (default: a ``DenseBlock``); must have ``delta``.
+        kernels: who gathers the chosen tokens and adds ``g * f`` back: "auto", "torch" or
+            "triton" (``TokenKernels``); "triton" raises at construction where Triton is not
+            installed and at forward on a device it cannot run on.
     """
 
     def __init__(
@@ -81,10 +92,14 @@ class MoDBlock(Routed):
         causal: str = "none",
         causal_coef: float = 0.01,
         predictor_hidden: int = 64,
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
-        check_mod_args(capacity, gate, causal, causal_coef, predictor_hidden)
+        check_mod_args(capacity, gate, causal, causal_coef, predictor_hidden, kernels)
+        if kernels == "triton" and (missing := triton_missing_reason()) is not None:
+            raise RuntimeError(f"MoD kernels='triton' (model.mod.kernels) cannot be used: {missing}")
         self.capacity, self.gate, self.causal, self.causal_coef = capacity, gate, causal, causal_coef
+        self.kernels = kernels
         self.router = Router(d_model, 1, bias=True)  # the bias offsets the gate, not the choice
         self.predictor = RoutingPredictor(d_model, capacity, predictor_hidden) if causal == "predictor" else None
         self.block = inner if inner is not None else DenseBlock(d_model, n_heads, mlp_ratio, rope_base)
@@ -107,7 +122,19 @@ class MoDBlock(Routed):
         )
 
     def extra_repr(self) -> str:
-        return f"capacity={self.capacity}, gate={self.gate!r}, causal={self.causal!r}"
+        kernels = f", kernels={self.kernels!r}" if self.kernels != "auto" else ""
+        return f"capacity={self.capacity}, gate={self.gate!r}, causal={self.causal!r}{kernels}"
+
+    def uses_triton(self, device: torch.device) -> bool:
+        """Whether the token gather/scatter runs the Triton kernels on ``device`` ("auto" does
+        not: no GPU measurement has shown them faster yet); RuntimeError saying why when
+        "triton" was asked for and cannot run there."""
+        if self.kernels != "triton":
+            return False
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise RuntimeError(f"MoD kernels='triton' (model.mod.kernels) cannot run: {reason}")
+        return True
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T] router scores, projected in at least float32 (bf16 ties are common)."""
@@ -158,11 +185,16 @@ class MoDBlock(Routed):
             # the output: under expert parallelism its all-to-alls must see every rank.
             return x + 0 * self.block.delta(x[:, :k], None if positions is None else positions[:, :k]).sum()
         rows = token_rows(plan.indices, x.shape[1])  # [B * k] rows of x.view(B * T, D)
-        x_sel, x = take_tokens(x, plan.indices, rows)  # [B, k, D] and the residual stream
+        ops = mod_tokens() if self.uses_triton(x.device) else None
+        # [B, k, D] and the residual stream
+        x_sel, x = take_tokens(x, plan.indices, rows) if ops is None else ops.take_tokens(x, rows)
         weights = plan.weights if scores.requires_grad else self.router_logits(x_sel)  # [B, k]
         chosen_positions = plan.indices if positions is None else positions.gather(1, plan.indices)
         delta = self.block.delta(x_sel, chosen_positions)  # [B, k, D]
-        return add_gated_tokens(x, plan.indices, GATES[self.gate](weights), delta, rows)
+        gate = GATES[self.gate](weights)
+        if ops is not None:
+            return ops.add_gated_tokens(x, rows, gate.reshape(-1), delta.reshape(-1, delta.shape[-1]))
+        return add_gated_tokens(x, plan.indices, gate, delta, rows)
 
     @torch.no_grad()
     def _record_health(self, scores: torch.Tensor, chosen: torch.Tensor) -> None:
@@ -236,6 +268,13 @@ class MoDBlock(Routed):
         return x.index_copy(0, rows, x_r + g * delta)
 
 
+def mod_tokens():
+    """``mode.kernels.mod_tokens`` (imports Triton; only called once a block uses it)."""
+    from mode.kernels import mod_tokens as module  # noqa: PLC0415
+
+    return module
+
+
 class RandomMoDBlock(MoDBlock):
     """The stochastic-routing control of the MoD paper: the same block, but each sequence's
     ``k = floor(capacity * T)`` routed tokens are drawn uniformly at random (scores from
@@ -243,9 +282,17 @@ class RandomMoDBlock(MoDBlock):
     unused and frozen."""
 
     def __init__(
-        self, d_model: int, n_heads: int, capacity: float = 0.125, mlp_ratio: int = 4, rope_base: float = 10000.0
+        self,
+        d_model: int,
+        n_heads: int,
+        capacity: float = 0.125,
+        mlp_ratio: int = 4,
+        rope_base: float = 10000.0,
+        kernels: str = "auto",
     ) -> None:
-        super().__init__(d_model, n_heads, capacity, mlp_ratio, gate="none", rope_base=rope_base, causal="none")
+        super().__init__(
+            d_model, n_heads, capacity, mlp_ratio, gate="none", rope_base=rope_base, causal="none", kernels=kernels
+        )
         self.router.requires_grad_(False)
 
     # NOTE: outside compiled graphs, so that a compiled model draws what the eager one draws
@@ -290,6 +337,7 @@ class StagedMoDEBlock(MoDBlock):
         causal: str = "none",
         causal_coef: float = 0.01,
         predictor_hidden: int = 64,
+        kernels: str = "auto",
         moe: MoELayer | None = None,
         **moe_kwargs,
     ) -> None:
@@ -306,4 +354,5 @@ class StagedMoDEBlock(MoDBlock):
             causal=causal,
             causal_coef=causal_coef,
             predictor_hidden=predictor_hidden,
+            kernels=kernels,
         )

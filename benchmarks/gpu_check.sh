@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One prepared check for a lent GPU (one CUDA device, no network, torch with CUDA and Triton
+# installed, nothing else installable), within 8 minutes in all:
+#   1. the CUDA-marked tests (kernels vs references on the GPU, xformers, MegaBlocks adapter);
+#   2. bench_kernels.py, bench_moe.py, bench_blocks.py, bench_train.py in bf16.
+# Every JSON (and each step's log) goes under $OUT (default benchmarks/results/gpu/).
+#
+#   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repository root
+#   bash benchmarks/gpu_check.sh --cpu-try  # the same steps on CPU at small sizes (catches typos)
+#
+# Pure-Python dependencies the GPU machine lacks (omegaconf, pytest, ...) can travel with the
+# tree: `make gpu-deps` installs them into .gpu_deps/, which this script puts on PYTHONPATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+[ -x "$ROOT/.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && [ "${1:-}" = "--cpu-try" ] && PY="$ROOT/.venv/bin/python"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+[ -d "$ROOT/.gpu_deps" ] && export PYTHONPATH="$PYTHONPATH:$ROOT/.gpu_deps"
+OUT=${OUT:-$ROOT/benchmarks/results/gpu}
+mkdir -p "$OUT"
+export MODE_BENCH_RESULTS="$OUT"
+
+if [ "${1:-}" = "--cpu-try" ]; then
+  DEVICE=cpu
+  KERNELS_ARGS="--device cpu --small --interpret-smoke --repeats 2 --warmup 1"
+  MOE_ARGS="--device cpu --tokens 1024 --d-model 256 --d-ff 256 --repeats 2 --warmup 1"
+  BLOCKS_ARGS="--device cpu --seq 256 --batch 2 --d-model 256 --n-heads 4 --capacities 0.125 --repeats 2 --warmup 1"
+  TRAIN_ARGS="--device cpu --modes bf16_eager --presets dense mod --batch 2 --seq 128 --layers 2 --repeats 2 --warmup 1"
+  STEP_LIMIT=300
+else
+  DEVICE=cuda
+  KERNELS_ARGS="--device cuda --repeats 7"
+  MOE_ARGS="--device cuda --tokens 32768 --d-model 2048 --d-ff 1408 --repeats 5"
+  BLOCKS_ARGS="--device cuda --seq 4096 --batch 8 --d-model 2048 --n-heads 16 --repeats 5"
+  TRAIN_ARGS="--device cuda --modes bf16_eager bf16_compiled --batch 16 --seq 1024 --layers 8 --d-model 1024 --n-heads 16 --repeats 5"
+  STEP_LIMIT=120
+fi
+
+status=0
+step() {  # step NAME LIMIT_SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "== $name: exit $rc after $((SECONDS - t0))s"
+  [ "$rc" -ne 0 ] && status=1
+  return 0
+}
+
+"$PY" - <<'EOF' | tee "$OUT/environment.txt"
+import importlib.util, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)")
+for name in ("triton", "omegaconf", "pytest", "hypothesis", "xformers", "grouped_gemm", "matplotlib"):
+    spec = importlib.util.find_spec(name)
+    print(f"{name}: {'present' if spec else 'MISSING'}")
+EOF
+if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "no CUDA device visible: run with --cpu-try on a machine without a GPU" >&2
+  exit 2
+fi
+
+step cuda-tests "$STEP_LIMIT" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/
+step bench-kernels "$STEP_LIMIT" "$PY" benchmarks/bench_kernels.py --dtype bfloat16 $KERNELS_ARGS
+step bench-moe "$STEP_LIMIT" "$PY" benchmarks/bench_moe.py --dtypes bfloat16 $MOE_ARGS
+step bench-blocks "$STEP_LIMIT" "$PY" benchmarks/bench_blocks.py --dtype bfloat16 $BLOCKS_ARGS
+step bench-train "$STEP_LIMIT" "$PY" benchmarks/bench_train.py $TRAIN_ARGS
+echo "results in $OUT:"
+ls "$OUT"
+exit $status
