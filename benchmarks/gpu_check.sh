@@ -27,14 +27,15 @@ if [ "${1:-}" = "--cpu-try" ]; then
   MOE_ARGS="--device cpu --tokens 1024 --d-model 256 --d-ff 256 --repeats 2 --warmup 1"
   BLOCKS_ARGS="--device cpu --seq 256 --batch 2 --d-model 256 --n-heads 4 --capacities 0.125 --repeats 2 --warmup 1"
   TRAIN_ARGS="--device cpu --modes bf16_eager --presets dense mod --batch 2 --seq 128 --layers 2 --repeats 2 --warmup 1"
-  STEP_LIMIT=300
+  LIMITS=(300 300 300 300 300)
 else
   DEVICE=cuda
   KERNELS_ARGS="--device cuda --repeats 7"
   MOE_ARGS="--device cuda --tokens 32768 --d-model 2048 --d-ff 1408 --repeats 5"
   BLOCKS_ARGS="--device cuda --seq 4096 --batch 8 --d-model 2048 --n-heads 16 --repeats 5"
-  TRAIN_ARGS="--device cuda --modes bf16_eager bf16_compiled --batch 16 --seq 1024 --layers 8 --d-model 1024 --n-heads 16 --repeats 5"
-  STEP_LIMIT=120
+  TRAIN_ARGS="--device cuda --modes bf16_eager bf16_compiled --presets dense mod moe mode_staged mode_integrated"
+  TRAIN_ARGS="$TRAIN_ARGS --batch 16 --seq 1024 --layers 8 --d-model 1024 --n-heads 16 --repeats 5"
+  LIMITS=(90 90 90 60 150)  # seconds per step: 480 in all, the 8-minute budget
 fi
 
 status=0
@@ -64,11 +65,11 @@ if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cu
   exit 2
 fi
 
-step cuda-tests "$STEP_LIMIT" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/
-step bench-kernels "$STEP_LIMIT" "$PY" benchmarks/bench_kernels.py --dtype bfloat16 $KERNELS_ARGS
-step bench-moe "$STEP_LIMIT" "$PY" benchmarks/bench_moe.py --dtypes bfloat16 $MOE_ARGS
-step bench-blocks "$STEP_LIMIT" "$PY" benchmarks/bench_blocks.py --dtype bfloat16 $BLOCKS_ARGS
-step bench-train "$STEP_LIMIT" "$PY" benchmarks/bench_train.py $TRAIN_ARGS
+step cuda-tests "${LIMITS[0]}" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/
+step bench-kernels "${LIMITS[1]}" "$PY" benchmarks/bench_kernels.py --dtype bfloat16 $KERNELS_ARGS
+step bench-moe "${LIMITS[2]}" "$PY" benchmarks/bench_moe.py --dtypes bfloat16 $MOE_ARGS
+step bench-blocks "${LIMITS[3]}" "$PY" benchmarks/bench_blocks.py --dtype bfloat16 $BLOCKS_ARGS
+step bench-train "${LIMITS[4]}" "$PY" benchmarks/bench_train.py $TRAIN_ARGS
 echo "results in $OUT:"
 ls "$OUT"
 exit $status
