@@ -7,7 +7,10 @@ Forward+backward time, median of repeats after warm-up, all candidates timed rou
 every ratio is to the dense MLP (hidden top_k * ffn) of the same dtype. Cases: "balanced"
 (a random router) and "skewed" (half the tokens strongly prefer expert 0).
 The "experts only" row is the grouped path's floor: its grouped GEMMs + GELU on tokens
-already sorted by expert (no router, no permutation, no combination). The ``chunked``
+already sorted by expert (no router, no permutation, no combination); the "padded GEMMs+GELU
+only" row is the capacity layer's (cf 1.25): its batched GEMMs + GELU on the [E, C, D] buffer,
+the one cost the capacity rule must pay, so the capacity row's distance to it is what its
+routing, dispatch and combine add (the baseline is not handicapped if that is small). The ``chunked``
 backend (auto on CPU) can beat that floor, because it never builds the [M, D] sorted buffers
 at all; dropless(auto) / floor - 1 is printed either way.
 Targets (balanced): dropless(auto) <= 0.85x capacity MoE at cf 1.25, and <= 1.10x dense.
@@ -40,6 +43,7 @@ from mode.layers.mlp import MLP  # noqa: E402
 
 DENSE = "dense MLP (same active FLOPs)"
 FLOOR = "experts only (GEMMs+GELU)"
+PADDED_FLOOR = "capacity cf=1.25: padded GEMMs+GELU only"
 
 
 class ExpertsOnly(torch.nn.Module):
@@ -55,6 +59,18 @@ class ExpertsOnly(torch.nn.Module):
 
     def forward(self, x_sorted: torch.Tensor) -> torch.Tensor:
         return self.experts(x_sorted, self.dispatch.counts)
+
+
+class PaddedExpertsOnly(torch.nn.Module):
+    """The floor of a capacity layer: its batched GEMMs + GELU on the zero-padded [E, C, D]
+    buffer (no router, no slot assignment, no dispatch into the buffer, no combine)."""
+
+    def __init__(self, layer: CapacityMoE) -> None:
+        super().__init__()
+        self.experts = layer.experts
+
+    def forward(self, buffer: torch.Tensor) -> torch.Tensor:
+        return self.experts.forward_padded(buffer)
 
 
 def make_input(n: int, d: int, router_w: torch.Tensor, case: str, dtype, device) -> torch.Tensor:
@@ -111,6 +127,11 @@ def main() -> None:
             floor = ExpertsOnly(auto_layer, x.detach())
             x_sorted = x.detach()[floor.dispatch.token_idx].requires_grad_(True)
             fns[FLOOR] = partial(fwd_bwd_step, floor, x_sorted, torch.randn_like(x_sorted))
+            capacity_layer = layers["capacity cf=1.25"]
+            C = capacity_layer.capacity(args.tokens)
+            buffer = torch.randn(args.experts, C, args.d_model, device=args.device, dtype=dtype, requires_grad=True)
+            padded = PaddedExpertsOnly(capacity_layer)
+            fns[PADDED_FLOOR] = partial(fwd_bwd_step, padded, buffer, torch.randn_like(buffer))
             sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
             times = interleaved_median_times(fns, args.warmup, args.repeats, sync=sync)
             for name, s in times.items():
@@ -134,7 +155,12 @@ def main() -> None:
                 ):
                     targets[f"{dtype_name}: dropless(auto) <= {limit}x {key}"] = {"ratio": ratio, "met": ratio <= limit}
                 floor_s = times[FLOOR]
-                overheads[dtype_name] = {"floor_vs_dense": floor_s / times[DENSE], "over_floor": auto / floor_s - 1}
+                overheads[dtype_name] = {
+                    "floor_vs_dense": floor_s / times[DENSE],
+                    "over_floor": auto / floor_s - 1,
+                    "capacity_over_padded_floor": times["capacity cf=1.25"] / times[PADDED_FLOOR] - 1,
+                    "padded_floor_vs_dense": times[PADDED_FLOOR] / times[DENSE],
+                }
     print(
         f"fwd+bwd, d={args.d_model}, ffn={args.d_ff}/expert, E={args.experts}, top-{args.top_k}, "
         f"tokens={args.tokens}, device={args.device}, threads={torch.get_num_threads()}"
@@ -156,7 +182,9 @@ def main() -> None:
     for k, o in overheads.items():
         print(
             f"{k}: grouped GEMMs+GELU alone on pre-sorted tokens {o['floor_vs_dense']:.3f}x dense; "
-            f"dropless(auto), routing included, {100 * o['over_floor']:+.1f}% relative to them"
+            f"dropless(auto), routing included, {100 * o['over_floor']:+.1f}% relative to them; "
+            f"capacity cf=1.25 {100 * o['capacity_over_padded_floor']:+.1f}% relative to its padded GEMMs+GELU "
+            f"({o['padded_floor_vs_dense']:.3f}x dense)"
         )
     payload = {"args": vars(args), "rows": rows, "targets": targets, "overheads": overheads}
     path = write_json("moe", payload, args.label)

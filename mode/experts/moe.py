@@ -24,7 +24,7 @@ from mode.checks import check_choice, check_hidden, check_int, check_positive, c
 from mode.experts.dispatch import Dispatcher, LocalDispatcher
 from mode.experts.grouped_gemm import BACKEND_NAMES
 from mode.experts.mlp import MLP_KINDS, ExpertMLP, MlpKind, mlp_flops
-from mode.experts.permute import combine, permute, sort_by_expert, unpermute
+from mode.experts.permute import padded_combine, padded_dispatch, sort_by_expert, unpermute
 from mode.routed import Routed, Router, recomputing
 from mode.routing.losses import (
     LB_SCOPES,
@@ -39,7 +39,7 @@ from mode.routing.token_choice import (
     DROP_POLICIES,
     DropPolicy,
     TokenChoice,
-    capacity_keep,
+    capacity_rank,
     expert_capacity,
     expert_choice_tokens,
     jitter,
@@ -296,19 +296,19 @@ class CapacityMoE(MoELayer):
     def _compute(self, x2: torch.Tensor, choice: TokenChoice) -> torch.Tensor:
         N, D = x2.shape
         E, C = self.n_experts, self.capacity(N)
-        keep = capacity_keep(choice.experts, choice.weights, E, C, self.drop_policy)
-        dispatch = sort_by_expert(choice.experts, E, keep, has_noop=self.n_noop > 0)
-        real = (choice.experts < E).sum().clamp_min(1)
-        self.metrics["dispatched"] = dispatch.order.numel()
-        self.metrics["drop_fraction"] = 1.0 - dispatch.order.numel() / real
-        # Slot of each kept assignment: expert * C + rank inside its expert.
-        expert_sorted = choice.experts.reshape(-1).index_select(0, dispatch.order)
-        starts = torch.cumsum(dispatch.counts, 0) - dispatch.counts
-        rank = torch.arange(dispatch.order.numel(), device=x2.device) - starts[expert_sorted]
-        slot = expert_sorted * C + rank
-        buffer = x2.new_zeros(E * C, D).index_copy(0, slot, permute(x2, dispatch))
-        y = self.experts.forward_padded(buffer.view(E, C, D)).reshape(E * C, D).index_select(0, slot)
-        return combine(y, dispatch, choice.weights)
+        # Slot of each assignment in the [E * C] buffer: expert * C + its rank in serving order.
+        # No sort by expert and no [N*K, D] gathered copies: rows go straight from x into the
+        # buffer and the combine reads the buffer's output rows by slot (``padded_dispatch``,
+        # ``padded_combine``); the zero-padded buffer and its batched GEMMs are what it costs.
+        rank = capacity_rank(choice.experts, choice.weights, self.drop_policy)  # [N, K]
+        placed = (rank < C) & (choice.experts < E)
+        slots = choice.experts * C + rank
+        kept = placed.sum()
+        self.metrics["dispatched"] = kept
+        self.metrics["drop_fraction"] = 1.0 - kept / (choice.experts < E).sum().clamp_min(1)
+        buffer = padded_dispatch(x2, slots, placed, E * C)  # [E * C, D]
+        y = self.experts.forward_padded(buffer.view(E, C, D)).reshape(E * C, D)
+        return padded_combine(y, slots, placed, choice.weights)
 
 
 class ExpertChoiceMoE(MoELayer):

@@ -183,3 +183,45 @@ def combine(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch
     if dispatch.assignment.numel() < N * K:
         w = w.index_select(0, dispatch.assignment)
     return _Combine.apply(y, w.to(y.dtype), dispatch, K)
+
+
+class _PaddedDispatch(torch.autograd.Function):
+    """x [N, D] -> buffer [R, D] with ``buffer[slots[n, j]] = x[n]`` (rows no assignment
+    fills are zero); slots [N, K] with R = a scratch row for assignments that are not placed.
+    Forward: K row copies straight from x (no [N*K, D] gathered copy); backward: each token's
+    placed slots summed in one pass (``embedding_bag`` with the 0/1 ``placed`` weights)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, slots: torch.Tensor, placed: torch.Tensor, n_rows: int) -> torch.Tensor:
+        buffer = x.new_zeros(n_rows + 1, x.shape[1])
+        for j in range(slots.shape[1]):
+            buffer.index_copy_(0, slots[:, j], x)
+        ctx.save_for_backward(slots, placed)
+        return buffer[:n_rows]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        slots, placed = ctx.saved_tensors
+        grad = grad.contiguous()
+        rows = slots.clamp_max(grad.shape[0] - 1)  # the scratch row weighs 0 (placed is False)
+        return F.embedding_bag(rows, grad, mode="sum", per_sample_weights=placed.to(grad.dtype)), None, None, None
+
+
+def padded_dispatch(x: torch.Tensor, slots: torch.Tensor, placed: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Place token rows into a zero-padded buffer: x [N, D], slots [N, K] buffer rows (any
+    value for assignments whose ``placed`` [N, K] is False) -> [n_rows, D]."""
+    n_rows_safe = torch.where(placed, slots, n_rows)
+    if n_rows == 0:
+        return x.new_zeros(0, x.shape[1]) + 0 * x.sum()
+    return _PaddedDispatch.apply(x, n_rows_safe, placed, n_rows)
+
+
+def padded_combine(y: torch.Tensor, slots: torch.Tensor, placed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[n] = sum over placed j of weights[n, j] * y[slots[n, j]]``: y [R, D] the padded
+    buffer's output, slots / placed / weights [N, K] -> [N, D], one fused weighted gather-sum
+    (its backward: one weighted scatter into y's gradient and per-assignment dot products for
+    the weights; assignments not placed get weight 0 and a zero weight gradient)."""
+    if y.shape[0] == 0:
+        return y.new_zeros(slots.shape[0], y.shape[1]) + 0 * (y.sum() + weights.sum())
+    rows = torch.where(placed, slots, 0)
+    return F.embedding_bag(rows, y, mode="sum", per_sample_weights=(weights * placed).to(y.dtype))

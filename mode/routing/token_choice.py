@@ -71,14 +71,20 @@ def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: 
 def capacity_keep(
     experts: torch.Tensor, weights: torch.Tensor, n_experts: int, capacity: int, policy: DropPolicy = "position"
 ) -> torch.Tensor:
-    """Which assignments ([N, K]) fit in ``capacity`` slots per expert -> keep: [N, K] bool.
+    """Which assignments ([N, K]) fit in ``capacity`` slots per expert -> keep: [N, K] bool
+    (the rank inside its expert, ``capacity_rank``, below ``capacity``; never a no-op expert)."""
+    return (capacity_rank(experts, weights, policy) < capacity) & (experts < n_experts)
+
+
+def capacity_rank(experts: torch.Tensor, weights: torch.Tensor, policy: DropPolicy = "position") -> torch.Tensor:
+    """Each assignment's rank among its expert's assignments in serving order -> [N, K] int64
+    (0 = served first; an assignment fits when its rank is below the capacity).
 
     policy "position": assignments are served by choice rank, then token position (every
     token's first choice before any second choice; earlier tokens first), as GShard/Switch.
     policy "probs": within each expert, the highest combine weights keep their slot
     (ties: earlier choice rank, then earlier token; a NaN weight ranks last, so a token with
     NaN logits never takes another token's slot).
-    Assignments with an expert id >= ``n_experts`` (no-op experts) are never kept.
     """
     N, K = experts.shape
     # Priority of each assignment in the order [k][n] (choice rank major, position minor).
@@ -95,13 +101,12 @@ def capacity_keep(
     key = rank_major * (K * N) + priority
     order = torch.sort(key).indices
     sorted_expert = rank_major[order]
-    counts = torch.bincount(sorted_expert, minlength=max(n_experts, int(experts.max()) + 1 if experts.numel() else 0))
+    counts = torch.bincount(sorted_expert)
     starts = torch.cumsum(counts, 0) - counts
-    slot_sorted = torch.arange(K * N, device=experts.device) - starts[sorted_expert]
-    slot = torch.empty_like(slot_sorted)
-    slot[order] = slot_sorted
-    keep = (slot < capacity) & (rank_major < n_experts)
-    return keep.view(K, N).t()
+    rank_sorted = torch.arange(K * N, device=experts.device) - starts[sorted_expert]
+    rank = torch.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    return rank.view(K, N).t()
 
 
 def expert_choice_tokens(probs: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
