@@ -54,7 +54,7 @@ from mode.layers.kinds import BLOCK_KINDS  # noqa: E402
 from mode.model import MoDETransformer  # noqa: E402
 from mode.train import build_optimizer, train, train_step  # noqa: E402
 
-PRESETS = list(BLOCK_KINDS)  # every block kind has a preset of its name
+PRESETS = [*BLOCK_KINDS, "early_exit"]  # every block kind has a preset of its name; early exit is dense + exits
 BPB = 1 / math.log(2)
 
 

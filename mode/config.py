@@ -22,6 +22,7 @@ from mode.checks import ConfigError, check_choice, check_int, check_positive, ch
 from mode.experts.moe import check_moe_args, expert_width
 from mode.layers.attention import ATTENTION_BACKENDS
 from mode.layers.checkpointing import ACTIVATION_CHECKPOINTS
+from mode.layers.early_exit import check_early_exit_args
 from mode.layers.kinds import BLOCK_KINDS
 from mode.layers.mod import check_mod_args
 from mode.precision import PRECISIONS
@@ -117,6 +118,26 @@ class MoEConfig:
 
 
 @dataclass
+class EarlyExitConfig:
+    """Per-token early exit (``mode.layers.early_exit``): the depth-saving control for MoD.
+
+    enabled: exit heads after blocks ``min_layer .. n_layers - 1`` (dense layouts only).
+    threshold: a token exits once its exit head's largest next-token probability reaches it
+        (evaluation and sampling; training computes every block and the exit losses).
+    loss_coef: weight of the mean intermediate exit cross-entropy added to the LM loss.
+    min_layer: blocks every token runs before it may exit.
+    """
+
+    enabled: bool = False
+    threshold: float = 0.9
+    loss_coef: float = 1.0
+    min_layer: int = 1
+
+    def __post_init__(self) -> None:
+        check_early_exit_args(self.threshold, self.loss_coef, self.min_layer, prefix="model.early_exit.")
+
+
+@dataclass
 class ModelConfig:
     """Decoder-only LM. ``layout`` is a comma/space separated pattern of block kinds tiled to
     ``n_layers`` (e.g. "dense,mod" = MoD every other block), or a full per-layer list.
@@ -134,6 +155,7 @@ class ModelConfig:
     attention: str = "sdpa"
     mod: RoutingConfig = field(default_factory=RoutingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
@@ -144,6 +166,21 @@ class ModelConfig:
             fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even for RoPE")
         check_choice("model.attention", self.attention, ATTENTION_BACKENDS)
         kinds = self.block_kinds()  # validates the layout
+        if self.early_exit.enabled:
+            check_early_exit_args(
+                self.early_exit.threshold,
+                self.early_exit.loss_coef,
+                self.early_exit.min_layer,
+                self.n_layers,
+                prefix="model.early_exit.",
+            )
+            if set(kinds) != {"dense"}:
+                fail(
+                    "model.early_exit.enabled",
+                    True,
+                    f"early exit runs on dense blocks only and model.layout={self.layout!r} has "
+                    f"{sorted(set(kinds) - {'dense'})}: use layout 'dense'",
+                )
         if self.moe.n_noop and "mode_integrated" not in kinds:
             fail(
                 "model.moe.n_noop",

@@ -40,9 +40,13 @@ def block_flops(kind: str, cfg: ModelConfig, seq_len: int | None = None, masked:
 
 
 def model_flops(cfg: ModelConfig, seq_len: int | None = None) -> int:
-    """Forward FLOPs of the whole LM on one sequence (blocks + LM head; embedding is a lookup)."""
+    """Forward FLOPs of the whole LM on one sequence (blocks + LM head; embedding is a lookup).
+    With early exit: the training forward (every block, every exit head on every token); in
+    evaluation exits save a data-dependent share, reported as the ``compute_share`` metric."""
     T = seq_len or cfg.seq_len
     head = 2 * T * cfg.d_model * cfg.vocab_size
+    if cfg.early_exit.enabled:  # training runs every exit head (min_layer .. n_layers - 1) on every token
+        head *= 1 + cfg.n_layers - cfg.early_exit.min_layer
     return sum(block_flops(kind, cfg, T) for kind in cfg.block_kinds()) + head
 
 

@@ -15,6 +15,7 @@ from mode.checks import check_int, check_number, fail
 from mode.config import ModelConfig
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.blocks import check_routing
+from mode.layers.early_exit import EarlyExit
 from mode.layers.kinds import build_block
 from mode.layers.kv_cache import KVCache
 from mode.routed import check_causal, non_causal_layers
@@ -39,6 +40,8 @@ class MoDETransformer(nn.Module):
             if isinstance(module, CausalSelfAttention):
                 module.set_backend(cfg.attention)
         self.norm = nn.LayerNorm(cfg.d_model, bias=False)
+        ee = cfg.early_exit
+        self.early_exit = EarlyExit(cfg.n_layers, ee.threshold, ee.loss_coef, ee.min_layer) if ee.enabled else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -80,13 +83,53 @@ class MoDETransformer(nn.Module):
         B, T = idx.shape
         positions = torch.arange(T, device=idx.device).expand(B, T)
         x = self.tok_emb(idx)
-        for i, block in enumerate(self.blocks):
-            x = block(x, positions, routing=routing, cache=caches[i] if caches is not None else None)
-        logits = self.lm_head(self.norm(x))
+        if self.early_exit is None:
+            for i, block in enumerate(self.blocks):
+                x = block(x, positions, routing=routing, cache=caches[i] if caches is not None else None)
+        else:
+            x = self._forward_early_exit(x, positions, routing, caches, targets)
+        logits = self.head(x)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., D] -> logits [..., V] (final norm + LM head; also every early-exit head)."""
+        return self.lm_head(self.norm(x))
+
+    def _forward_early_exit(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        routing: str,
+        caches: list[KVCache] | None,
+        targets: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The blocks with early exit (``mode.layers.early_exit``): in training every block on
+        every token plus the exit heads' losses; in evaluation a token exits after the first
+        block whose head is confident and keeps that state (later blocks still see it)."""
+        ee = self.early_exit
+        ee.clear_aux()
+        active, shares, layer_logits = None, [], []
+        for i, block in enumerate(self.blocks):
+            shares.append(1.0 if active is None else active.float().mean())
+            out = block(x, positions, routing=routing, cache=caches[i] if caches is not None else None)
+            x = out if active is None else torch.where(active.unsqueeze(-1), out, x)
+            if not ee.can_exit_after(i):
+                continue
+            if self.training:
+                if targets is not None:
+                    layer_logits.append(self.head(x))
+                continue
+            stay = ~ee.confident(self.head(x))
+            active = stay if active is None else active & stay
+        if self.training:
+            if targets is not None:
+                ee.record_exit_losses(layer_logits, targets)
+        else:
+            ee.record_compute(shares)
+        return x
 
     def check_ids(
         self, idx: object, name: str = "idx", shape: torch.Size | None = None, ignore_index: int | None = None
@@ -120,9 +163,22 @@ class MoDETransformer(nn.Module):
         B = idx.shape[0]
         positions = torch.full((B,), position, dtype=torch.long, device=idx.device)
         x = self.tok_emb(idx)
-        for block, cache in zip(self.blocks, caches, strict=True):
-            x = block.decode(x, positions, cache)
-        return self.lm_head(self.norm(x))[:, -1]
+        ee = self.early_exit
+        active = torch.ones(B, dtype=torch.bool, device=idx.device)
+        for i, (block, cache) in enumerate(zip(self.blocks, caches, strict=True)):
+            if ee is None:
+                x = block.decode(x, positions, cache)
+                continue
+            # Exited rows only write their frozen state's keys/values; the others run the block.
+            done, rows = (~active).nonzero().squeeze(-1), active.nonzero().squeeze(-1)
+            if done.numel():
+                block.write_kv_decode(x.index_select(0, done), positions.index_select(0, done), cache, done)
+            if rows.numel():
+                x_r = x.index_select(0, rows)
+                x = x.index_copy(0, rows, x_r + block.delta_decode(x_r, positions.index_select(0, rows), cache, rows))
+            if ee.can_exit_after(i) and rows.numel():
+                active = active & ~ee.confident(self.head(x[:, -1]))
+        return self.head(x)[:, -1]
 
     def supports_causal(self) -> bool:
         """True when every routed module decides per token (its ``non_causal_reason`` is None),

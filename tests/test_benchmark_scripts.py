@@ -193,3 +193,45 @@ def test_bench_kernels_small_on_cpu_with_the_interpreter_smoke_test(tmp_path):
 
 def test_gpu_check_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
+
+
+def test_sweep_points_and_pareto_front_by_hand():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sweep import pareto_front, sweep_points
+
+    points = sweep_points(["dense", "mod", "mod_random", "early_exit"], [0.5, 0.25], ["every", "every_fourth"], [0.125])
+    names = [p["name"] for p in points]
+    assert names[0] == "dense" and names[-1] == "early_exit" and len(names) == 1 + 4 + 1 + 1
+    every_fourth = next(p for p in points if p["name"] == "mod every_fourth c=0.25")
+    assert every_fourth["overrides"] == ["model.layout=dense,dense,dense,mod", "model.mod.capacity=0.25"]
+    assert next(p for p in points if p["family"] == "mod_random")["overrides"] == ["model.mod.capacity=0.125"]
+    rows = [
+        {"name": "a", "t": 1.0, "val_bpb": 3.0},
+        {"name": "b", "t": 2.0, "val_bpb": 2.0},
+        {"name": "c", "t": 2.0, "val_bpb": 2.5},  # dominated by b (same time, higher loss)
+        {"name": "d", "t": 3.0, "val_bpb": 2.0},  # dominated by b (same loss, slower)
+        {"name": "e", "t": 4.0, "val_bpb": 1.0},
+        {"name": "f", "t": None, "val_bpb": 0.5},  # no time on this axis: takes no part
+    ]
+    assert pareto_front(rows, "t") == {"a", "b", "e"}
+
+
+def test_sweep_tiny(tmp_path):
+    overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=4", "model.seq_len=32", "train.batch_size=2"]
+    args = [*overrides, "train.eval_every=5", "train.eval_batches=1", "--no-sweep-model", "--seconds", "1"]
+    args += ["--runs-dir", str(tmp_path / "runs"), "--seeds", "2", "--capacities", "0.5", "--layouts", "every_other"]
+    args += ["--families", "dense", "mod", "mod_random", "early_exit", "--random-capacities", "0.5"]
+    args += ["--thresholds", "0.0", "1.0", "--prompt-len", "4", "--new-tokens", "3", "--decode-rounds", "1"]
+    payload = run_script("sweep.py", args, tmp_path)["sweep.json"]
+    rows = {r["name"]: r for r in payload["rows"]}
+    expected = {"dense", "mod every_other c=0.5", "mod_random every_other c=0.5", "early_exit t=0", "early_exit t=1"}
+    assert set(rows) == expected and payload["seeds"] == [1337, 1338]
+    assert all(r["seeds"] == 2 and r["val_bpb"] > 0 and r["step_ms"] > 0 for r in rows.values())
+    assert rows["mod_random every_other c=0.5"]["decode_ms"] is None  # no per-token decisions
+    assert all(r["decode_ms"] > 0 for n, r in rows.items() if not n.startswith("mod_random"))
+    # Threshold 0: every token exits after the first block (min_layer 1 of 4); 1: none exits.
+    assert rows["early_exit t=0"]["compute_share"] == pytest.approx(0.25)
+    assert rows["early_exit t=1"]["compute_share"] == pytest.approx(1.0)
+    assert any(r["pareto_decode_ms"] for r in rows.values()) and any(r["pareto_step_ms"] for r in rows.values())
+    assert (tmp_path / "sweep.png").is_file()
+    assert (tmp_path / "runs" / "mod_every_other_c0.5" / "seed1338" / "metrics.jsonl").is_file()

@@ -47,6 +47,15 @@ def test_model_flops_match_counter(preset):
     assert measured == pytest.approx(model_flops(cfg), rel=REL_TOL)
 
 
+def test_early_exit_training_flops_match_counter():
+    """Training with targets runs every block and every exit head on every token."""
+    cfg = load_config("early_exit", ["model.d_model=64", "model.n_heads=4", "model.seq_len=128"]).model
+    model = MoDETransformer(cfg).train()
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    measured = counted_flops(lambda: model(idx, idx)) / 2
+    assert measured == pytest.approx(model_flops(cfg), rel=REL_TOL)
+
+
 def test_mod_costs_k_squared_attention():
     cfg = load_config("mod", ["model.d_model=512", "model.n_heads=8", "model.seq_len=1024"]).model
     ratio = block_flops("mod", cfg) / block_flops("dense", cfg)

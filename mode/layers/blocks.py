@@ -76,6 +76,12 @@ class TransformerBlock(nn.Module):
         h = self.attn.decode(self.norm1(x), positions, cache, rows)
         return h + self.mlp(self.norm2(x + h))
 
+    def write_kv_decode(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: torch.Tensor) -> None:
+        """Append the keys/values of x [b, 1, D] (tokens that skip this block's computation,
+        e.g. after an early exit) at ``positions`` [b] to cache rows ``rows`` [b]."""
+        _, k, v = self.attn.project_qkv(self.norm1(x), positions[:, None])
+        cache.append(rows, k, v)
+
     def forward(
         self,
         x: torch.Tensor,
