@@ -171,7 +171,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     entries: dict[str, object] = {}  # one legend for both panels (mod_random has no decode point)
     for ax in axes:
-        for handle, name in zip(*ax.get_legend_handles_labels()):
+        for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
             entries.setdefault(name, handle)
     axes[0].legend(list(entries.values()), list(entries.keys()), fontsize=7)
     fig.tight_layout()
