@@ -150,6 +150,8 @@ def claims(rows: dict[str, dict]) -> dict[str, dict]:
         loss_claim(f"best MoD variant ({best}) val loss < dense at equal wall-clock", best, "dense")
     if "mod" in rows and "mod_random" in rows:
         loss_claim("learned MoD routing val loss < random routing (mod_random)", "mod", "mod_random")
+    if "mod" in rows and "early_exit" in rows:
+        loss_claim("MoD val loss < early exit at equal wall-clock", "mod", "early_exit")
     if "mode_integrated" in rows and "moe_capacity" in rows:
         loss_claim("integrated MoDE val loss < capacity MoE dropping the same share", "mode_integrated", "moe_capacity")
     for v in ("mode_staged", "mode_integrated"):

@@ -98,7 +98,8 @@ def test_compare_with_seeds_interleaves_and_writes_the_readme_claims(tmp_path):
     readme.write_text("intro\n<!-- claims:begin -->\nold table\n<!-- claims:end -->\nrest\n")
     args = [*overrides, "train.eval_every=5", "train.eval_batches=1", "--seconds", "1", "--timing-rounds", "0"]
     args += ["--runs-dir", str(tmp_path / "runs"), "--seeds", "2", "--data", str(corpus), "--write-readme", str(readme)]
-    payload = run_script("compare.py", [*args, "--presets", "dense", "mod", "mod_random"], tmp_path)["compare.json"]
+    presets = ["dense", "mod", "mod_random", "early_exit"]
+    payload = run_script("compare.py", [*args, "--presets", *presets], tmp_path)["compare.json"]
     assert payload["seeds"] == [1337, 1338] and payload["corpus"] == str(corpus)
     assert payload["corpus_tokens"] == len(corpus.read_bytes())
     for name, row in payload["rows"].items():
@@ -115,6 +116,7 @@ def test_compare_with_seeds_interleaves_and_writes_the_readme_claims(tmp_path):
     random_claim = payload["claims"]["learned MoD routing val loss < random routing (mod_random)"]
     assert random_claim["n"] == 2 and random_claim["lo"] <= random_claim["value"] <= random_claim["hi"]
     assert random_claim["verdict"] in ("holds", "reversed", "not shown")
+    assert payload["claims"]["MoD val loss < early exit at equal wall-clock"]["n"] == 2
     text = readme.read_text()
     assert "old table" not in text and text.startswith("intro") and text.rstrip().endswith("rest")
     assert "learned MoD routing val loss < random routing (mod_random)" in text and "| claim |" in text
