@@ -2,7 +2,8 @@
 layouts, the random-routing control and early exit, each point's validation loss against its
 decode latency per token (batch 1, KV cache) and its training step time.
 
-    python benchmarks/sweep.py                        # the full sweep (~45 min on the 2-core VM)
+    python benchmarks/sweep.py                        # the full sweep, one seed (~33 min on the 2-core VM)
+    python benchmarks/sweep.py --seeds 2              # the README's run (64 min)
     python benchmarks/sweep.py --seconds 120 --seeds 2
     python benchmarks/sweep.py --families mod --capacities 0.5 0.125 --layouts every_other
 
