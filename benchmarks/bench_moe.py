@@ -76,7 +76,7 @@ class PaddedExpertsOnly(torch.nn.Module):
 def make_input(n: int, d: int, router_w: torch.Tensor, case: str, dtype, device) -> torch.Tensor:
     x = torch.randn(n, d, device=device)
     if case == "skewed":  # push half the tokens toward expert 0
-        direction = router_w[0].float() / router_w[0].float().norm()
+        direction = router_w[0].float().to(device) / router_w[0].float().norm()
         x[: n // 2] += 4.0 * direction
     return x.to(dtype).requires_grad_(True)
 

@@ -147,7 +147,7 @@ class MoDETransformer(nn.Module):
             raise ValueError(f"{name} has shape {tuple(idx.shape)}: expected the inputs' shape {tuple(shape)}")
         if idx.numel() == 0:
             raise ValueError(f"{name} has shape {tuple(idx.shape)}: the batch and the sequence must be non-empty")
-        lo, hi = int(idx.min()), int(idx.max())
+        lo, hi = torch.stack(torch.aminmax(idx)).tolist()  # one host read (one device sync on a GPU)
         if (lo < 0 and lo != ignore_index) or hi >= V:
             bad = lo if lo < 0 else hi
             raise ValueError(f"{name} holds token id {bad}: ids must be in [0, model.vocab_size={V})")

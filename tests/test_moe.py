@@ -6,7 +6,15 @@ from hypothesis import strategies as st
 from mode.experts.chunked import chunked_experts
 from mode.experts.grouped_gemm import CHUNKED_MIN_BYTES, get_backend, gmm_loop, gmm_torch, resolve_name
 from mode.experts.moe import CapacityMoE, DroplessMoE, ExpertChoiceMoE
-from mode.experts.permute import combine, permute, sort_by_expert, sorted_weights, unpermute
+from mode.experts.permute import (
+    combine,
+    padded_combine,
+    padded_dispatch,
+    permute,
+    sort_by_expert,
+    sorted_weights,
+    unpermute,
+)
 from mode.kernels import triton_missing_reason
 from mode.layers.blocks import MoEBlock
 from mode.routing.token_choice import capacity_keep, expert_capacity
@@ -200,6 +208,53 @@ def test_permute_and_combine_gradcheck(keep_all):
     assert torch.autograd.gradcheck(lambda x, w: combine(permute(x, dispatch).sin(), dispatch, w), (x, w))
 
 
+def padded_case(n: int, k: int, n_rows: int, dtype: torch.dtype, seed: int = 0):
+    """Distinct slots for placed assignments (as the capacity rule gives), junk for the rest."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(n_rows, generator=gen)[: n * k].view(n, k)
+    placed = torch.rand(n, k, generator=gen) > 0.3
+    slots = torch.where(placed, slots, torch.randint(0, 10**6, (n, k), generator=gen))
+    x = torch.randn(n, 5, generator=gen).to(dtype).requires_grad_()
+    w = torch.rand(n, k, generator=gen).to(dtype).requires_grad_()
+    return x, w, slots, placed
+
+
+def padded_reference(x, w, slots, placed, n_rows):
+    """Row by row: buffer[slot] = x[n]; a stand-in expert (sin); out[n] = sum_j w * buffer'[slot]."""
+    buffer = x.new_zeros(n_rows, x.shape[1])
+    for n, j in placed.nonzero().tolist():
+        buffer = buffer.index_put((slots[n, j : j + 1],), x[n : n + 1])
+    y = buffer.sin()
+    rows = [
+        sum((w[n, j] * y[slots[n, j]] for j in range(w.shape[1]) if placed[n, j]), x.new_zeros(x.shape[1]))
+        for n in range(x.shape[0])
+    ]
+    return torch.stack(rows)
+
+
+def test_padded_dispatch_and_combine_gradcheck():
+    x, w, slots, placed = padded_case(6, 2, 16, torch.float64)
+    f = lambda x, w: padded_combine(padded_dispatch(x, slots, placed, 16).sin(), slots, placed, w)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, w))
+    torch.testing.assert_close(f(x, w), padded_reference(x, w, slots, placed, 16), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_combine_matches_reference_in_low_precision(dtype):
+    # bf16 is the case that broke on CUDA (no bf16 kernel for embedding_bag's weight gradient).
+    x, w, slots, placed = padded_case(33, 3, 128, dtype, seed=1)
+    g = torch.randn(33, 5, dtype=dtype)
+    out = padded_combine(padded_dispatch(x, slots, placed, 128).sin(), slots, placed, w)
+    grads = torch.autograd.grad(out, (x, w), g)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    ref = padded_reference(x64, w64, slots, placed, 128)
+    ref_grads = torch.autograd.grad(ref, (x64, w64), g.double())
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(out.double(), ref, **tol)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
 def test_expert_choice_router_matches_reference():
     layer = make(ExpertChoiceMoE, capacity_factor=1.0)
     x = torch.randn(N, D)
@@ -239,6 +294,11 @@ def test_auto_backend_on_cpu_chooses_by_size():
     x = torch.randn(2, 8, D)
     assert not layer.experts.uses_scattered(x.view(-1, D), rows=16)
     assert layer.experts.uses_scattered(x.view(-1, D), rows=CHUNKED_MIN_BYTES // (D * 4))
+    # Under bf16 autocast the experts compute in bf16 (2 bytes a value): the size rule uses
+    # that dtype, not x's float32, so this many rows still fit the grouped path.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not layer.experts.uses_scattered(x.view(-1, D), rows=CHUNKED_MIN_BYTES // (D * 4))
+        assert layer.experts.uses_scattered(x.view(-1, D), rows=CHUNKED_MIN_BYTES // (D * 2))
     chunked = make(backend="chunked")
     chunked.load_state_dict(layer.state_dict())
     torch.testing.assert_close(layer(x), chunked(x), **TOL)

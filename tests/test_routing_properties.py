@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mode.experts.permute import combine, permute, sort_by_expert
+from mode.routing.counting import count_ids
 from mode.routing.token_choice import capacity_keep, expert_choice_tokens, token_choice_topk
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -114,3 +115,13 @@ def test_expert_choice_takes_each_experts_top_c(N, E, C, equal, seed):
         ref = sorted(sorted(range(N), key=lambda n: (-probs[n, e].item(), n))[: min(C, N)])
         assert tokens[e].tolist() == ref
         torch.testing.assert_close(weights[e], probs[ref, e] if ref else probs[:0, e])
+
+
+@SETTINGS
+@given(assignments())
+def test_count_ids_equals_bincount(case):
+    experts, _, E, n_noop = case[:4]
+    n = E + n_noop
+    counts = count_ids(experts, n)
+    assert counts.dtype == torch.long and counts.shape == (n,)
+    assert torch.equal(counts, torch.bincount(experts.reshape(-1), minlength=n))

@@ -68,15 +68,22 @@ class ExpertMLP(nn.Module):
         Under ``torch.compile`` the sorted path is used instead: its shapes do not depend on
         the routing."""
         d_model, d_ff = self.w1.shape[1:]
-        name = resolve_name(self.backend, x.device, x.dtype, d_model, d_ff, rows)
+        # NOTE: decided at the dtype the experts compute in, as forward_scattered decides: under
+        # bf16 autocast on CUDA, x's own float32 once sent the MoE to the chunked CPU path.
+        name = resolve_name(self.backend, x.device, self.compute_dtype(x), d_model, d_ff, rows)
         return ENTRY_POINTS[name] == "scattered" and not torch.compiler.is_compiling()
+
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype the experts compute in for input x: autocast's when autocast is on for x's
+        device (bf16 under ``train.precision=bf16``), else x's own."""
+        device = x.device.type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
     def _in_compute_dtype(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """x, w1, w2, w3 in the dtype the experts compute in: autocast's (bf16 under
         ``train.precision=bf16``) when autocast is on for x's device, else x's own. The grouped
         GEMM ops are not autocast-aware, so the cast happens here, as autocast does for linears."""
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        dtype = self.compute_dtype(x)
         return tuple(None if t is None else t.to(dtype) for t in (x, self.w1, self.w2, self.w3))
 
     def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

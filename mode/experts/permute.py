@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mode.routing.counting import count_ids
+
 
 class Dispatch(NamedTuple):
     """Assignments sorted by expert (stable: ties keep token order), and the way back.
@@ -54,7 +56,7 @@ def sort_by_expert(
         valid = valid & keep.reshape(-1)
     # NOTE: invalid assignments get key E and sort to the end, where they are cut off.
     key = torch.where(valid, flat, torch.full_like(flat, n_experts))
-    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
+    counts = count_ids(key, n_experts + 1)[:n_experts]
     order = torch.sort(key, stable=True).indices
     device = experts.device
     if keep is None and not has_noop:
@@ -223,5 +225,35 @@ def padded_combine(y: torch.Tensor, slots: torch.Tensor, placed: torch.Tensor, w
     the weights; assignments not placed get weight 0 and a zero weight gradient)."""
     if y.shape[0] == 0:
         return y.new_zeros(slots.shape[0], y.shape[1]) + 0 * (y.sum() + weights.sum())
-    rows = torch.where(placed, slots, 0)
-    return F.embedding_bag(rows, y, mode="sum", per_sample_weights=(weights * placed).to(y.dtype))
+    safe = torch.where(placed, slots, y.shape[0])  # not placed: a scratch row past the end
+    return _PaddedCombine.apply(y, safe, (weights * placed).to(y.dtype))
+
+
+class _PaddedCombine(torch.autograd.Function):
+    """out[n] = sum_j w[n, j] * y[slots[n, j]]: y [R, D], slots [N, K] (R = not placed, whose
+    w is 0), w [N, K] in y's dtype -> [N, D]. Forward: one weighted gather-sum. Backward: dy by
+    K row scatters of ``w[:, j] * grad`` (placed slots are distinct, so no two rows meet), dw by
+    fused gathered dot products. Its own backward because autograd's ``embedding_bag``
+    per-sample-weight gradient has no bf16 CUDA kernel (torch 2.11)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y, slots, w)
+        return F.embedding_bag(slots.clamp_max(y.shape[0] - 1), y, mode="sum", per_sample_weights=w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, slots, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        N, K = slots.shape
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_y = grad.new_zeros(y.shape[0] + 1, y.shape[1])
+            for j in range(K):
+                grad_y.index_add_(0, slots[:, j], grad * w[:, j : j + 1])
+            grad_y = grad_y[: y.shape[0]]
+        if ctx.needs_input_grad[2]:
+            tokens = torch.arange(N, device=grad.device).repeat_interleave(K)
+            rows = slots.clamp_max(y.shape[0] - 1).reshape(-1)
+            grad_w = gathered_dots(grad, tokens, y, rows).view(N, K).to(w.dtype)
+        return grad_y, None, grad_w

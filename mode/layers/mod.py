@@ -22,6 +22,7 @@ from mode.layers.kv_cache import KVCache
 from mode.layers.predictor import RoutingPredictor
 from mode.routed import Routed, Router
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
+from mode.routing.counting import count_ids
 from mode.routing.expert_choice import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
 
 if TYPE_CHECKING:
@@ -204,7 +205,7 @@ class MoDBlock(Routed):
         T = scores.shape[1]
         if chosen.numel():
             buckets = torch.div(chosen * POSITION_BUCKETS, T, rounding_mode="floor").reshape(-1)
-            self.metrics["position_share"] = torch.bincount(buckets, minlength=POSITION_BUCKETS) / buckets.numel()
+            self.metrics["position_share"] = count_ids(buckets, POSITION_BUCKETS) / buckets.numel()
         if T > 1 and scores.shape[0]:
             p = torch.softmax(scores.float(), dim=-1)
             entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()

@@ -98,16 +98,40 @@ class RoutingPredictor(nn.Module):
         return (self.prior_tokens * self.threshold + length * q) / (self.prior_tokens + length)
 
     def thresholds(self, scores: torch.Tensor) -> torch.Tensor:
-        """scores: [B, T] of a sequence from its first token -> causal thresholds [B, T]."""
+        """scores: [B, T] of a sequence from its first token -> causal thresholds [B, T].
+
+        Token t uses the prefix of length L = ((t + 1) // stride) * stride (so tokens
+        start-1 .. start+stride-2 share L = start, and the last token sees all T when T is a
+        multiple of ``stride``). All prefixes' k-th largest scores come from one batched
+        ``topk`` over ``[B, prefixes, L_max]`` with the positions past each prefix masked to
+        -inf (chunked to bound memory), not a loop of one ``topk`` per prefix: one launch
+        instead of T / stride of them, the difference between a host-bound and a device-bound
+        training step on a GPU."""
         s = scores.detach().float()
-        T = s.shape[1]
-        out = torch.empty_like(s)
-        for start in range(0, T, self.stride):  # tokens start-1 .. start+stride-2 share L = start
-            lo, hi = max(start - 1, 0), min(start + self.stride - 1, T)
-            out[:, lo:hi] = self._prefix_threshold(s, start).unsqueeze(-1)
-        if T % self.stride == 0:
-            out[:, T - 1] = self._prefix_threshold(s, T)
-        return out
+        B, T = s.shape
+        n_prefixes = T // self.stride + 1  # lengths 0, stride, 2 * stride, ... <= T
+        per_prefix = [self.threshold.expand(B).unsqueeze(-1)]  # length 0: the running threshold
+        chunk = max(1, self.MAX_TOPK_ELEMENTS // max(1, B * T))
+        for first in range(1, n_prefixes, chunk):
+            lengths = range(first * self.stride, min(first + chunk, n_prefixes) * self.stride, self.stride)
+            per_prefix.append(self._kth_of_prefixes(s, lengths))
+        prefix_of_token = torch.div(torch.arange(1, T + 1, device=s.device), self.stride, rounding_mode="floor")
+        return torch.cat(per_prefix, dim=1).index_select(1, prefix_of_token)
+
+    MAX_TOPK_ELEMENTS = 1 << 24  # [B, prefixes, L] elements per batched top-k (64 MiB in float32)
+
+    def _kth_of_prefixes(self, s: torch.Tensor, lengths: range) -> torch.Tensor:
+        """s: [B, T] -> [B, len(lengths)]: each prefix's threshold (as ``_prefix_threshold``)."""
+        width = lengths[-1]
+        positions = torch.arange(width, device=s.device)
+        ends = torch.arange(lengths.start, lengths.stop, lengths.step, device=s.device)
+        masked = s[:, None, :width].masked_fill(positions >= ends[:, None], -torch.inf)  # [B, P, width]
+        # k grows with the length, so the longest prefix's k bounds them all; each prefix's own
+        # k = max(1, capacity_to_k(capacity, L)) in float64 on the device (no host copy).
+        top = masked.topk(max(1, capacity_to_k(self.capacity, width)), dim=-1).values  # descending
+        k = torch.floor(ends.double() * self.capacity + 1e-9).long().clamp(min=1).minimum(ends)
+        q = top.gather(-1, (k - 1).view(1, -1, 1).expand(s.shape[0], -1, 1)).squeeze(-1)
+        return (self.prior_tokens * self.threshold + ends * q) / (self.prior_tokens + ends)
 
     def forward(self, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D], scores: [B, T] router logits of a sequence from its first token ->
@@ -143,18 +167,19 @@ class RoutingPredictor(nn.Module):
         if recomputing():
             return
         kth = torch.where(chosen, scores.float(), torch.inf).amin(dim=-1)  # [B]
-        self.pending += torch.stack([kth.sum(), torch.tensor(float(kth.numel()), device=kth.device)])
+        # NOTE: the count is filled on the device (``torch.tensor(n, device=...)`` is a host copy: a sync).
+        self.pending += torch.stack([kth.sum(), torch.full((), float(kth.numel()), device=kth.device)])
 
     @torch.no_grad()
     def after_optimizer_step(self, apply: bool = True) -> None:
         """Move the running threshold toward the mean recorded k-th score (EMA with
         ``momentum``; the first update sets it) and clear the record (only clear it when
         ``apply`` is False)."""
-        if not apply or not self.pending[1]:
-            self.pending.zero_()
-            return
-        batch_kth = self.pending[0] / self.pending[1]
-        ema = torch.lerp(self.threshold, batch_kth, self.momentum)
-        self.threshold.copy_(torch.where(self.calibrated, ema, batch_kth))
-        self.calibrated.fill_(True)
+        if apply:  # on the device throughout: no host read of ``pending`` (a sync per layer and step)
+            recorded = self.pending[1] > 0
+            batch_kth = self.pending[0] / self.pending[1].clamp_min(1)
+            ema = torch.lerp(self.threshold, batch_kth, self.momentum)
+            moved = torch.where(self.calibrated, ema, batch_kth)
+            self.threshold.copy_(torch.where(recorded, moved, self.threshold))
+            self.calibrated.logical_or_(recorded)
         self.pending.zero_()

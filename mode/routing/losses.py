@@ -10,6 +10,8 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
+from mode.routing.counting import count_ids
+
 # Over which tokens the load-balance loss is computed: this rank's micro-batch, each sequence,
 # or the micro-batches of every data-parallel rank together (statistics all-reduced).
 LbScope = Literal["micro_batch", "sequence", "global_batch"]
@@ -85,7 +87,7 @@ def router_z_loss(logits: torch.Tensor, valid: torch.Tensor | None = None) -> to
 
 def expert_load(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     """[E] share of assignments per expert (sums to 1)."""
-    counts = torch.bincount(experts.reshape(-1), minlength=n_experts).float()
+    counts = count_ids(experts, n_experts).float()
     return counts / counts.sum().clamp_min(1)
 
 

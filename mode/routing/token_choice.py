@@ -101,9 +101,10 @@ def capacity_rank(experts: torch.Tensor, weights: torch.Tensor, policy: DropPoli
     key = rank_major * (K * N) + priority
     order = torch.sort(key).indices
     sorted_expert = rank_major[order]
-    counts = torch.bincount(sorted_expert)
-    starts = torch.cumsum(counts, 0) - counts
-    rank_sorted = torch.arange(K * N, device=experts.device) - starts[sorted_expert]
+    # The first sorted position of each assignment's expert (a search, not a bincount: no
+    # host read of the largest id, so no device sync).
+    starts = torch.searchsorted(sorted_expert, sorted_expert)
+    rank_sorted = torch.arange(K * N, device=experts.device) - starts
     rank = torch.empty_like(rank_sorted)
     rank[order] = rank_sorted
     return rank.view(K, N).t()
