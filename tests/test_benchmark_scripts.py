@@ -237,3 +237,19 @@ def test_sweep_tiny(tmp_path):
     assert any(r["pareto_decode_ms"] for r in rows.values()) and any(r["pareto_step_ms"] for r in rows.values())
     assert (tmp_path / "sweep.png").is_file()
     assert (tmp_path / "runs" / "mod_every_other_c0.5" / "seed1338" / "metrics.jsonl").is_file()
+
+
+def test_profile_step_tiny_names_the_host_reads(tmp_path):
+    args = ["--presets", "dense", "mod", "--batch", "2", "--seq", "32", "--layers", "2", "--d-model", "32"]
+    args += ["--n-heads", "2", "--steps", "2", "--warmup", "1", "--top", "5", "--device", "cpu"]
+    payload = run_script("profile_step.py", args, tmp_path)["profile.json"]
+    rows = {r["preset"]: r for r in payload["results"]}
+    assert set(rows) == {"dense", "mod"}
+    for r in rows.values():
+        assert r["wall_ms"] > 0 and r["device_busy_ms"] is None  # CPU: no device timeline
+        assert 0 < len(r["top_ops"]) <= 5 and all(op["self_ms_per_step"] >= 0 for op in r["top_ops"])
+        assert not any(".py(" in op["op"] for op in r["top_ops"])  # Python frames are left out
+        # Host reads are traced to our Python lines: train_step reads whether the step was
+        # finite (``.item()``) at least once per step.
+        sites = {" ".join(s["stack"]): s["per_step"] for s in r["sync_sites"]}
+        assert any("mode/step.py" in k and "train_step" in k and v >= 1 for k, v in sites.items()), sites
