@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, add_compare_option, load_run, print_comparison, print_table, write_json  # noqa: E402
+from common import add_compare_option, load_run, print_comparison, print_table, result_path, write_json  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mode.config import load_config  # noqa: E402
@@ -169,7 +169,7 @@ def main() -> None:
     payload = {"args": vars(args), "rows": rows, "targets": targets}
     path = write_json("memory", payload, args.label)
     print(f"wrote {path}")
-    plot(rows, RESULTS_DIR / (f"memory-{args.label}.png" if args.label else "memory.png"))
+    plot(rows, result_path("memory", args.label, ".png"))
     before = load_run("memory", args.compare)
     if before is not None:
         print_comparison(rows, before, ["what", "seq"], [("saved_mib", ".1f"), ("peak_mib", ".1f")])

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, add_compare_option, load_run, print_comparison, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, add_compare_option, load_run, print_comparison, print_table, result_path, write_json  # noqa: E402
 
 from mode.checkpoint import checkpoint_config, load_checkpoint  # noqa: E402
 from mode.config import load_config  # noqa: E402
@@ -258,7 +258,7 @@ def main() -> None:
     for name, (value, ok) in targets.items():
         print(f"target {name}: {value:.4f} -> {'met' if ok else 'MISSED'}")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    png = RESULTS_DIR / (f"sampling-{args.label}.png" if args.label else "sampling.png")
+    png = result_path("sampling", args.label, ".png")
     plot(comp, T, png)
     path = write_json(
         "sampling",

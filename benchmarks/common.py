@@ -105,10 +105,15 @@ def environment() -> dict:
     }
 
 
+def result_path(name: str, label: str | None = None, suffix: str = ".json") -> Path:
+    """``results/<name>[-<label>]<suffix>`` (the JSON of a run, its plot with ``.png``)."""
+    return RESULTS_DIR / (f"{name}-{label}{suffix}" if label else f"{name}{suffix}")
+
+
 def write_json(name: str, payload: dict, label: str | None = None) -> Path:
     """Write ``results/<name>[-<label>].json`` with the environment attached."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / (f"{name}-{label}.json" if label else f"{name}.json")
+    path = result_path(name, label)
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
     return path
 

@@ -37,12 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS_DIR,
     add_compare_option,
     interleaved_median_times,
     load_run,
     print_comparison,
     print_table,
+    result_path,
     write_json,
 )
 from stats import paired_interval, summarize, verdict  # noqa: E402
@@ -314,7 +314,7 @@ def main() -> None:
         write_readme_claims(claims_markdown(payload), Path(args.write_readme))
         print(f"wrote the claim table into {args.write_readme}")
     if not args.timing_only:
-        png = RESULTS_DIR / (f"compare-{args.label}.png" if args.label else "compare.png")
+        png = result_path("compare", args.label, ".png")
         plot(rows, png)
         print(f"wrote {png}")
     if before is not None:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, interleaved_median_times, print_table, write_json  # noqa: E402
+from common import interleaved_median_times, print_table, result_path, write_json  # noqa: E402
 from stats import summarize  # noqa: E402
 
 from mode.config import Config, load_config  # noqa: E402
@@ -284,7 +284,7 @@ def main() -> None:
         "rows": rows,
     }
     path = write_json("sweep", payload, args.label)
-    png = RESULTS_DIR / (f"sweep-{args.label}.png" if args.label else "sweep.png")
+    png = result_path("sweep", args.label, ".png")
     plot(rows, png)
     print(f"wrote {path} and {png}")
 

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from common import print_table, result_path, write_json  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mode.checkpoint import checkpoint_config  # noqa: E402
@@ -161,7 +161,7 @@ def main() -> None:
         "checks": checks,
     }
     print(f"wrote {write_json('upcycle', payload, args.label)}")
-    png = RESULTS_DIR / (f"upcycle-{args.label}.png" if args.label else "upcycle.png")
+    png = result_path("upcycle", args.label, ".png")
     plot(rows, convert_at, png)
 
 

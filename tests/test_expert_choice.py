@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from mode.routing.expert_choice import (
     add_gated_tokens,
     capacity_to_k,
+    capacity_to_k_tensor,
     expert_choice_topk,
     gather_tokens,
     take_tokens,
@@ -40,6 +41,15 @@ def test_k_is_floor_of_capacity_times_T():
     assert capacity_to_k(0.29, 10) == 2
     with pytest.raises(ValueError, match="capacity"):
         capacity_to_k(1.5, 10)
+
+
+def test_capacity_to_k_tensor_equals_capacity_to_k():
+    lengths = torch.arange(0, 4097)
+    for capacity in (0.0, 0.05, 0.1, 0.125, 0.3, 1 / 3, 0.5, 0.7, 1.0):
+        want = torch.tensor([capacity_to_k(capacity, int(n)) for n in lengths])
+        assert torch.equal(capacity_to_k_tensor(capacity, lengths), want), capacity
+    with pytest.raises(ValueError, match="capacity"):
+        capacity_to_k_tensor(1.5, lengths)
 
 
 def test_router_weights_carry_gradient():

@@ -238,12 +238,13 @@ class _PaddedCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(y, slots, w)
-        return F.embedding_bag(slots.clamp_max(y.shape[0] - 1), y, mode="sum", per_sample_weights=w)
+        rows = slots.clamp_max(y.shape[0] - 1)  # the scratch row read as any real row (w is 0)
+        ctx.save_for_backward(y, slots, rows, w)
+        return F.embedding_bag(rows, y, mode="sum", per_sample_weights=w)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        y, slots, w = ctx.saved_tensors
+        y, slots, rows, w = ctx.saved_tensors
         grad = grad.contiguous()
         N, K = slots.shape
         grad_y = grad_w = None
@@ -254,6 +255,5 @@ class _PaddedCombine(torch.autograd.Function):
             grad_y = grad_y[: y.shape[0]]
         if ctx.needs_input_grad[2]:
             tokens = torch.arange(N, device=grad.device).repeat_interleave(K)
-            rows = slots.clamp_max(y.shape[0] - 1).reshape(-1)
-            grad_w = gathered_dots(grad, tokens, y, rows).view(N, K).to(w.dtype)
+            grad_w = gathered_dots(grad, tokens, y, rows.reshape(-1)).view(N, K).to(w.dtype)
         return grad_y, None, grad_w

@@ -18,7 +18,7 @@ from torch import nn
 from mode.checks import check_range
 from mode.layers.kv_cache import PredictorState
 from mode.routed import recomputing
-from mode.routing.expert_choice import capacity_to_k
+from mode.routing.expert_choice import capacity_to_k, capacity_to_k_tensor
 
 
 class RoutingPredictor(nn.Module):
@@ -93,9 +93,7 @@ class RoutingPredictor(nn.Module):
         """Threshold of a token whose rounded prefix is the first ``length`` of ``scores`` [B, n] -> [B]."""
         if length == 0:
             return self.threshold.expand(scores.shape[0])
-        k = max(1, capacity_to_k(self.capacity, length))
-        q = scores[:, :length].topk(k, dim=-1).values[:, -1]
-        return (self.prior_tokens * self.threshold + length * q) / (self.prior_tokens + length)
+        return self._kth_of_prefixes(scores, range(length, length + 1))[:, 0]
 
     def thresholds(self, scores: torch.Tensor) -> torch.Tensor:
         """scores: [B, T] of a sequence from its first token -> causal thresholds [B, T].
@@ -121,15 +119,16 @@ class RoutingPredictor(nn.Module):
     MAX_TOPK_ELEMENTS = 1 << 24  # [B, prefixes, L] elements per batched top-k (64 MiB in float32)
 
     def _kth_of_prefixes(self, s: torch.Tensor, lengths: range) -> torch.Tensor:
-        """s: [B, T] -> [B, len(lengths)]: each prefix's threshold (as ``_prefix_threshold``)."""
+        """s: [B, T] -> [B, len(lengths)]: the threshold of each prefix length L > 0,
+        ``(prior_tokens * running + L * q) / (prior_tokens + L)`` with q the k-th largest of the
+        first L scores, k = max(1, capacity_to_k(capacity, L))."""
         width = lengths[-1]
         positions = torch.arange(width, device=s.device)
         ends = torch.arange(lengths.start, lengths.stop, lengths.step, device=s.device)
         masked = s[:, None, :width].masked_fill(positions >= ends[:, None], -torch.inf)  # [B, P, width]
-        # k grows with the length, so the longest prefix's k bounds them all; each prefix's own
-        # k = max(1, capacity_to_k(capacity, L)) in float64 on the device (no host copy).
+        # k grows with the length, so the longest prefix's k bounds them all.
         top = masked.topk(max(1, capacity_to_k(self.capacity, width)), dim=-1).values  # descending
-        k = torch.floor(ends.double() * self.capacity + 1e-9).long().clamp(min=1).minimum(ends)
+        k = capacity_to_k_tensor(self.capacity, ends).clamp(min=1)
         q = top.gather(-1, (k - 1).view(1, -1, 1).expand(s.shape[0], -1, 1)).squeeze(-1)
         return (self.prior_tokens * self.threshold + ends * q) / (self.prior_tokens + ends)
 

@@ -31,6 +31,14 @@ def capacity_to_k(capacity: float, seq_len: int) -> int:
     return min(seq_len, int(math.floor(capacity * seq_len + 1e-9)))
 
 
+def capacity_to_k_tensor(capacity: float, seq_lens: torch.Tensor) -> torch.Tensor:
+    """``capacity_to_k`` of each length in ``seq_lens`` (int64, any shape), on their device: the
+    same float64 arithmetic, without a host copy of the lengths (no device sync)."""
+    if not 0.0 <= capacity <= 1.0:
+        raise ValueError(f"capacity={capacity!r} is invalid: must be in [0.0, 1.0]")
+    return torch.floor(seq_lens.double() * capacity + 1e-9).long().minimum(seq_lens)
+
+
 def expert_choice_topk(scores: torch.Tensor, capacity: float) -> RoutePlan:
     """Choose the top-k tokens of each row of ``scores`` ([B, T]).
 
