@@ -48,13 +48,22 @@ PRESETS = [
     "dense_norope",
 ]
 MODES = {"fp32_eager": ("fp32", False), "bf16_eager": ("bf16", False), "bf16_compiled": ("bf16", True)}
-TARGETS = {"dense/nanogpt": 1.05, "mod/dense": 0.60, "moe/dense": 1.05, "bf16/fp32": 0.6, "compiled/eager": 0.9}
+TARGETS = {
+    "dense/nanogpt": 1.05,
+    "mod/dense": 0.60,
+    "moe/dense": 1.05,
+    "bf16/fp32": 0.6,
+    "compiled/eager": 0.9,
+    "mod/mod_random": 1.05,
+    "mode_staged/dense": 0.70,
+    "mode_integrated/dense": 0.95,
+}
 
 
 def without_rope(attn: CausalSelfAttention) -> None:
     """Benchmark instrument: this attention layer skips RoPE (q, k as projected)."""
 
-    def project_qkv(self, x, positions):
+    def project_qkv(self, x, positions, length=None):
         B, T, D = x.shape
         return self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
@@ -68,6 +77,7 @@ def overrides(args) -> list[str]:
         f"model.n_layers={args.layers}",
         f"model.seq_len={args.seq}",
         f"train.batch_size={args.batch}",
+        f"model.vocab_size={args.vocab}",
         "train.grad_clip=1.0",
     ]
 
@@ -126,16 +136,20 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=320)
     parser.add_argument("--n-heads", type=int, default=5)
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary (50304: GPT-2's, as nanoGPT pads it)")
+    parser.add_argument("--gpt2-small", action="store_true", help="12 layers, d 768, 12 heads, seq 1024, batch 16")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--label", default=None)
     args = parser.parse_args()
+    if args.gpt2_small:
+        args.layers, args.d_model, args.n_heads, args.seq, args.batch = 12, 768, 12, 1024, 16
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (args.batch, args.seq), generator=gen).to(device)
-    y = torch.randint(0, 256, (args.batch, args.seq), generator=gen).to(device)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
     peaks = {p: measure_peak_flops(device, PRECISION_DTYPES[p]) for p in {MODES[m][0] for m in args.modes}}
 
     fns, info = {}, {}
@@ -168,7 +182,9 @@ def main() -> None:
     by = {(r["preset"], r["mode"]): r for r in rows}
     ratios = []
     for mode in args.modes:
-        for num, den in [("dense", "nanogpt"), ("mod", "dense"), ("moe", "dense"), ("dense_norope", "dense")]:
+        pairs = [("dense", "nanogpt"), ("mod", "dense"), ("moe", "dense"), ("dense_norope", "dense")]
+        pairs += [("mod", "mod_random"), ("mode_staged", "dense"), ("mode_integrated", "dense")]
+        for num, den in pairs:
             if (num, mode) in by and (den, mode) in by:
                 ratios.append(
                     {"ratio": f"{num}/{den}", "mode": mode, "value": by[num, mode]["ms"] / by[den, mode]["ms"]}

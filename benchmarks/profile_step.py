@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=320)
     parser.add_argument("--n-heads", type=int, default=5)
+    parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--top", type=int, default=15, help="ops listed per preset")

@@ -6,11 +6,31 @@ one graph that the others reuse.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
-def compile_blocks(model: nn.Module) -> None:
-    """Compile every block of ``model.blocks`` in place (``nn.Module.compile``: parameter
-    names and state dicts do not change)."""
+def compile_enabled(setting: str | bool, device: torch.device) -> bool:
+    """``train.compile`` resolved: "true" / "false", or "auto": compile on CUDA (where the
+    launches it saves are the cost), not on the CPU (where the first compile takes longer
+    than a short run saves)."""
+    setting = str(setting).lower()
+    return setting == "true" or (setting == "auto" and device.type == "cuda")
+
+
+# NOTE: random ops (random MoD routing, router jitter) draw from torch's own generator, as
+# in eager mode, instead of inductor's: a compiled model trains as the eager one does.
+COMPILE_OPTIONS = {"fallback_random": True}
+
+
+def compile_block(block: nn.Module, fullgraph: bool = False) -> None:
+    """Compile one block in place (``nn.Module.compile``: parameter names and state dicts do
+    not change). With ``fullgraph`` a graph break raises instead of splitting the block:
+    every block kind compiles whole with the default backends (``tests/test_compile.py``)."""
+    block.compile(fullgraph=fullgraph, options=COMPILE_OPTIONS)
+
+
+def compile_blocks(model: nn.Module, fullgraph: bool = False) -> None:
+    """Compile every block of ``model.blocks`` in place (``compile_block``)."""
     for block in model.blocks:
-        block.compile()
+        compile_block(block, fullgraph)

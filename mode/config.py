@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -221,6 +222,9 @@ class DataConfig:
         check_range("data.val_fraction", self.val_fraction, 0.0, 0.5, lo_open=True)
 
 
+SWITCHES = ("auto", "true", "false")
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200
@@ -239,13 +243,14 @@ class TrainConfig:
     out_dir: str = "runs/default"
     resume: bool = False
     seed: int = 1337
-    device: str = "cpu"
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 weights) | auto (bf16 where faster): mode.precision
     max_bad_steps: int = 3  # consecutive non-finite steps (skipped) before training stops
     grad_accum_steps: int = 1  # micro-batches per optimizer step (batch_size / world split into them)
     activation_checkpoint: str = "none"  # none | full | every_n (mode.layers.checkpointing)
     activation_checkpoint_every: int = 2  # every_n: checkpoint blocks 0, n, 2n, ...
-    compile: bool = False  # torch.compile each block (mode.compile)
+    compile: str = "false"  # true | false | auto (on CUDA): torch.compile each block (mode.compile)
+    fused_optimizer: str = "auto"  # auto (fused AdamW where torch has it) | true | false (foreach)
     profile_steps: list[int] = field(default_factory=list)  # [first, last]: torch.profiler trace to out_dir
     init_from: str = ""  # a dense checkpoint to convert into this model (mode.convert.upcycle); fresh optimizer
     threads: int = 0  # torch.set_num_threads; 0 = leave the default
@@ -273,6 +278,16 @@ class TrainConfig:
         if self.batch_size % self.grad_accum_steps:
             fail("train.grad_accum_steps", self.grad_accum_steps, f"must divide train.batch_size={self.batch_size}")
         check_choice("train.activation_checkpoint", self.activation_checkpoint, ACTIVATION_CHECKPOINTS)
+        # NOTE: YAML and dotlist booleans reach these str fields as "True"/"False".
+        self.compile = str(self.compile).lower()
+        check_choice("train.compile", self.compile, SWITCHES)
+        self.fused_optimizer = str(self.fused_optimizer).lower()
+        check_choice("train.fused_optimizer", self.fused_optimizer, SWITCHES)
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as e:
+                fail("train.device", self.device, f"is not a device ({e}): use auto, cpu, cuda or cuda:N")
         check_positive("train.activation_checkpoint_every", self.activation_checkpoint_every)
         if self.profile_steps and (
             len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]

@@ -15,6 +15,7 @@ from mode.config import load_config
 from mode.data import decode, encode
 from mode.flops import train_flops_per_step
 from mode.precision import bf16_speedup, resolve
+from mode.telemetry import resolve_device
 from mode.train import train
 
 LAYOUTS = {"dense": "dense", "mod": "dense,mod"}
@@ -37,8 +38,9 @@ def run_demo(
         else:
             extra += [f"model.layout={variant}"]
         cfg = load_config("demo", extra + list(overrides or []))
-        precision = resolve(cfg.train.precision, cfg.train.device)
-        how = f" ({cfg.train.precision}: bf16 matmuls {bf16_speedup(cfg.train.device):.1f}x fp32 here)"
+        device = resolve_device(cfg.train.device)
+        precision = resolve(cfg.train.precision, device)
+        how = f" ({cfg.train.precision}: bf16 matmuls {bf16_speedup(str(device)):.1f}x fp32 here)"
         print(f"training {variant} ({cfg.model.layout}) for {seconds:.0f} s in {precision}{how} ...", flush=True)
         model, result = train(cfg)
         print(f"  {result.steps} steps, val loss {result.val_loss:.3f}", flush=True)

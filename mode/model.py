@@ -80,8 +80,7 @@ class MoDETransformer(nn.Module):
         check_routing(routing)
         if routing == "causal" or caches is not None:
             check_causal(self, "routing='causal'" if caches is None else "a KV cache")
-        B, T = idx.shape
-        positions = torch.arange(T, device=idx.device).expand(B, T)
+        positions = None  # 0..T-1 in every block (RoPE rows from one cached table)
         x = self.tok_emb(idx)
         if self.early_exit is None:
             for i, block in enumerate(self.blocks):
@@ -101,7 +100,7 @@ class MoDETransformer(nn.Module):
     def _forward_early_exit(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         routing: str,
         caches: list[KVCache] | None,
         targets: torch.Tensor | None,
@@ -147,10 +146,17 @@ class MoDETransformer(nn.Module):
             raise ValueError(f"{name} has shape {tuple(idx.shape)}: expected the inputs' shape {tuple(shape)}")
         if idx.numel() == 0:
             raise ValueError(f"{name} has shape {tuple(idx.shape)}: the batch and the sequence must be non-empty")
-        lo, hi = torch.stack(torch.aminmax(idx)).tolist()  # one host read (one device sync on a GPU)
-        if (lo < 0 and lo != ignore_index) or hi >= V:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} holds token id {bad}: ids must be in [0, model.vocab_size={V})")
+        # NOTE: no host read: on a GPU a bad id stops the step with a device-side assert (as the
+        # embedding would); on the CPU the assert raises here and the message names the id.
+        # ``ignore_index`` (negative) widens the lower bound; a negative target above it still
+        # fails in the loss.
+        lowest = min(0, ignore_index) if ignore_index is not None else 0
+        lo, hi = torch.aminmax(idx)
+        try:
+            torch._assert_async((lo >= lowest) & (hi < V), f"{name} holds token ids outside [0, model.vocab_size={V})")
+        except RuntimeError as e:
+            bad = int(lo) if lo < lowest else int(hi)
+            raise ValueError(f"{name} holds token id {bad}: ids must be in [0, model.vocab_size={V})") from e
 
     def new_caches(self, batch: int) -> list[KVCache]:
         """One empty KV cache per block, for ``forward(..., routing="causal", caches=...)`` + ``decode``."""

@@ -69,6 +69,27 @@ def recompute_scope() -> Iterator[None]:
         _recompute_depth -= 1
 
 
+_metrics_enabled = True
+
+
+def measuring() -> bool:
+    """Whether routed modules compute their metrics in this forward (``metrics_scope``)."""
+    return _metrics_enabled
+
+
+@contextlib.contextmanager
+def metrics_scope(enabled: bool) -> Iterator[None]:
+    """Forwards inside compute routing metrics only when ``enabled``: the training loop turns
+    them off on steps it does not log (each metric is a few small kernels per layer on a
+    GPU). Auxiliary losses and the state a step updates are computed either way."""
+    global _metrics_enabled
+    previous, _metrics_enabled = _metrics_enabled, enabled
+    try:
+        yield
+    finally:
+        _metrics_enabled = previous
+
+
 class Routed(nn.Module):
     """Base for modules that keep auxiliary losses and metrics of their last forward."""
 
@@ -123,11 +144,13 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     return torch.stack([t.float() for t in terms]).sum()
 
 
-def after_optimizer_step(model: nn.Module, apply: bool = True) -> None:
+def after_optimizer_step(model: nn.Module, apply: bool | torch.Tensor = True) -> None:
     """Call every submodule's ``after_optimizer_step(apply)`` hook: the state that moves once
     per optimizer step from what the step's forwards recorded (aux-loss-free expert biases,
     the predictor's running threshold). Call it after ``optimizer.step()`` in your own
-    training loop (``mode.train`` does); ``apply=False`` (a skipped step) discards the record."""
+    training loop (``mode.train`` does); ``apply=False`` (a skipped step) discards the record.
+    ``apply`` may be a 0-dim bool tensor on the device: the hooks then decide there, with no
+    host read."""
     for m in model.modules():
         hook = getattr(m, "after_optimizer_step", None)
         if callable(hook) and m is not model:

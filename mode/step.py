@@ -19,7 +19,7 @@ from mode.parallel.expert_parallel import sync_load_statistics, sync_running_thr
 from mode.parallel.fsdp import clip_grad_norm, scale_expert_grads, set_gradient_sync
 from mode.parallel.mesh import ParallelContext
 from mode.precision import autocast
-from mode.routed import after_optimizer_step, aux_loss
+from mode.routed import after_optimizer_step, aux_loss, metrics_scope
 
 
 def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
@@ -33,13 +33,35 @@ def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def fused_optimizer_supported(device: torch.device | str) -> bool:
+    """Whether this torch has a fused AdamW kernel for ``device`` (one kernel for every
+    parameter instead of a dozen foreach ops, and a device-side ``found_inf`` skip)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # noqa: PLC0415
+
+    return torch.device(device).type in _get_fused_kernels_supported_devices()
+
+
+def use_fused_optimizer(setting: str, device: torch.device | str) -> bool:
+    """``train.fused_optimizer`` resolved: "auto" is fused where supported (CUDA, and the CPU
+    in torch >= 2.4); "true" insists (an error where unsupported); "false" is foreach AdamW."""
+    setting = str(setting).lower()
+    if setting == "auto":
+        return fused_optimizer_supported(device)
+    if setting == "true" and not fused_optimizer_supported(device):
+        raise ValueError(f"train.fused_optimizer=true: this torch has no fused AdamW on {device}; use auto or false")
+    return setting == "true"
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters)."""
+    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters), fused
+    where ``cfg.fused_optimizer`` says (default: wherever this torch has the kernel)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=False)
+    device = params[0].device if params else torch.device("cpu")
+    fused = use_fused_optimizer(cfg.fused_optimizer, device)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused, foreach=None if fused else True)
 
 
 class LMObjective(torch.nn.Module):
@@ -58,16 +80,23 @@ class LMObjective(torch.nn.Module):
 class StepResult(NamedTuple):
     """What ``train_step`` did: the LM loss, the auxiliary loss (means over the
     micro-batches), the gradient norm before clipping, and whether the step was skipped for a
-    non-finite loss or gradient."""
+    non-finite loss or gradient. All are 0-dim tensors on the model's device, so that the
+    step never waits for the device: read them (``float()``, ``bool()``) only when needed."""
 
     loss: torch.Tensor
     aux: torch.Tensor
     grad_norm: torch.Tensor
-    skipped: bool = False
+    skipped: torch.Tensor
 
 
 class NonFiniteTrainingError(RuntimeError):
     """``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient."""
+
+
+def _skips_on_device(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` honours a ``found_inf`` tensor (fused Adam/AdamW/SGD: the kernel
+    leaves weights, moments and step count as they were where it is 1)."""
+    return bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(g.get("fused") for g in opt.param_groups)
 
 
 def train_step(
@@ -80,6 +109,7 @@ def train_step(
     objective: torch.nn.Module | None = None,
     precision: str = "fp32",
     accum_steps: int = 1,
+    metrics: bool = True,
 ) -> StepResult:
     """One optimizer step on a batch: x, y [B, T] token ids (this rank's rows) -> ``StepResult``.
 
@@ -94,35 +124,49 @@ def train_step(
 
     A step whose loss or gradient norm is not finite (on any rank) is skipped: gradients and
     the recorded routing state are dropped, the weights and optimizer state are left as they
-    were, and the result says ``skipped``.
+    were, and the result says ``skipped``. With a fused optimizer (``build_optimizer``'s
+    default) the skip is decided on the device (the optimizer's ``found_inf``), so the step
+    reads nothing on the host; other optimizers read one flag. ``metrics=False`` skips the
+    routing metrics (``mode.routing_metrics``) in this step's forwards: the training loop
+    computes them only on the steps it logs.
     """
     objective = objective or LMObjective(model)
     if x.shape[0] % accum_steps:
         raise ValueError(f"a batch of {x.shape[0]} rows does not split into accum_steps={accum_steps} micro-batches")
     micro = x.shape[0] // accum_steps
-    loss_sum = aux_sum = torch.zeros((), device=x.device)
+    losses, auxes = [], []
     for i in range(accum_steps):
         set_gradient_sync(model, i == accum_steps - 1)
-        rows = slice(i * micro, (i + 1) * micro)
-        with autocast(precision, x.device):
+        rows = slice(i * micro, (i + 1) * micro) if accum_steps > 1 else slice(None)
+        with autocast(precision, x.device), metrics_scope(metrics):
             loss, aux = objective(x[rows], y[rows])
-        ((loss + aux) / accum_steps).backward()
-        loss_sum, aux_sum = loss_sum + loss.detach().float(), aux_sum + aux.detach().float()
-    loss, aux = loss_sum / accum_steps, aux_sum / accum_steps
+        total = loss + aux
+        (total / accum_steps if accum_steps > 1 else total).backward()
+        losses.append(loss.detach().float())
+        auxes.append(aux.detach().float())
+    if accum_steps == 1:
+        loss, aux = losses[0], auxes[0]
+    else:
+        loss, aux = torch.stack(losses).mean(), torch.stack(auxes).mean()
     if ctx is not None:
         scale_expert_grads(model, ctx)
         sync_running_thresholds(model, ctx)
     grad_norm = clip_grad_norm(model, grad_clip or math.inf, ctx)
-    finite = (torch.isfinite(loss + aux) & torch.isfinite(grad_norm)).float()
+    # NOTE: one test for all three: a sum of finite float32 values is finite (short of 3e38).
+    finite = torch.isfinite(loss + aux + grad_norm).float()
     if ctx is not None:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips the same steps
-    if not finite.item():
-        opt.zero_grad(set_to_none=True)
-        after_optimizer_step(model, apply=False)
-        return StepResult(loss, aux, grad_norm, skipped=True)
-    opt.step()
+    ok = finite.bool()
+    if _skips_on_device(opt):
+        opt.found_inf = 1.0 - finite  # the fused kernel skips the whole update where it is 1
+        try:
+            opt.step()
+        finally:
+            del opt.found_inf
+    elif ok.item():  # one host read: this optimizer cannot skip on the device
+        opt.step()
     opt.zero_grad(set_to_none=True)
     if ctx is not None:
         sync_load_statistics(model, ctx)
-    after_optimizer_step(model)
-    return StepResult(loss, aux, grad_norm)
+    after_optimizer_step(model, apply=ok)
+    return StepResult(loss, aux, grad_norm, ~ok)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -83,3 +84,46 @@ class StepProfiler:
             self.prof.__exit__(None, None, None)
             self.prof.export_chrome_trace(str(self.path))
             self.prof = None
+
+
+def resolve_device(name: str) -> torch.device:
+    """``train.device`` resolved: "auto" is the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class StepTimer:
+    """Times of training steps without waiting for the device after each: ``start()`` and
+    ``stop()`` around a step, ``read()`` on logging steps returns the seconds of every step
+    stopped since the last read. On CUDA each step is a pair of events and ``read()`` waits
+    for the last one (the only sync); elsewhere the host clock (the CPU computes as it goes)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple] = []
+        self._start = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((self._start, end))
+        else:
+            self.pending.append((self._start, time.perf_counter()))
+
+    def read(self) -> list[float]:
+        if self.cuda and self.pending:
+            self.pending[-1][1].synchronize()
+            out = [a.elapsed_time(b) / 1e3 for a, b in self.pending]
+        else:
+            out = [b - a for a, b in self.pending]
+        self.pending = []
+        return out

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mode import checkpoint, telemetry
-from mode.compile import compile_blocks
+from mode.compile import compile_blocks, compile_enabled
 from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
 from mode.convert import upcycle
 from mode.data import TokenSplit, load_splits
@@ -139,7 +139,7 @@ def prepare_model(
         parallelize(model, ctx)
         set_balance_group(model, dist.group.WORLD)  # every rank reads different rows
     checkpoint_blocks(model.blocks, tc.activation_checkpoint, tc.activation_checkpoint_every)
-    if tc.compile:
+    if compile_enabled(tc.compile, next(model.parameters()).device):
         compile_blocks(model)
     if ctx is not None:
         shard_model(model, ctx, precision)
@@ -165,7 +165,7 @@ def train(
         torch.set_num_threads(tc.threads)
     ctx = _init_parallel(cfg)
     rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
-    device = ctx.device if ctx else torch.device(tc.device)
+    device = ctx.device if ctx else telemetry.resolve_device(tc.device)
     precision = resolve(tc.precision, device)
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
     train_split, val_split, vocab = load_splits(
@@ -194,8 +194,12 @@ def train(
     flops_per_step = train_flops_per_step(cfg.model, tc.batch_size)
     peak_flops, peak_how = telemetry.measure_peak_flops(device, PRECISION_DTYPES[precision])
     if rank == 0 and tc.progress:
+        layout = f"dp {ctx.dp_size} x ep {ctx.ep_size}" if ctx else "1 process"
+        compiled = "compiled blocks" if compile_enabled(tc.compile, device) else "eager"
+        fused = "fused" if opt.param_groups[0].get("fused") else "foreach"
         tqdm.write(
-            f"{cfg.name}: precision {precision}; MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how})"
+            f"{cfg.name}: device {device}, precision {precision}, {compiled}, {fused} AdamW, {layout}; "
+            f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how})"
         )
     profiler = telemetry.StepProfiler(out_dir, list(tc.profile_steps), rank)
     if rank == 0:
@@ -209,7 +213,11 @@ def train(
     # NOTE: the wall-clock budget (max_seconds, the time-based schedule) counts training steps
     # with their data loading, not evaluation or checkpoints, so that variants whose eval
     # costs more (causal-mode eval) are not charged for it.
-    bad_steps = 0  # consecutive skipped steps
+    # Read on the host only on logging, eval and checkpoint steps: consecutive skipped steps
+    # are counted on the device (``bad_run``, and the longest run since the last read).
+    bad_run = torch.zeros((), device=device)
+    worst_run = torch.zeros((), device=device)
+    timer = telemetry.StepTimer(device)
     saved = start if start else -1  # step of the last checkpoint on disk from this run (or its resume)
     bar = tqdm(range(start, tc.steps), disable=not tc.progress or rank != 0, desc=cfg.name, dynamic_ncols=True)
     model.train()
@@ -221,32 +229,45 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = train_split.batch(tc.batch_size, gen)  # the global batch; this rank takes its rows
-        t0 = time.perf_counter()
-        profiler.begin(step + 1)
-        loss, aux, grad_norm, skipped = train_step(
+        done = step + 1
+        saving = bool(tc.ckpt_every and done % tc.ckpt_every == 0)
+        # Routing metrics only where they are read (a step that ends on the time budget reads
+        # the last logged ones' absence: it logs without them).
+        logged = done % tc.log_every == 0 or done % tc.eval_every == 0 or done in (tc.steps, stop_at) or saving
+        profiler.begin(done)
+        timer.start()
+        out = train_step(
             model,
             opt,
-            x[rows].to(device),
-            y[rows].to(device),
+            x[rows].to(device, non_blocking=True),
+            y[rows].to(device, non_blocking=True),
             tc.grad_clip,
             ctx,
             objective,
             precision,
             tc.grad_accum_steps,
+            metrics=logged,
         )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        result.step_times.append(time.perf_counter() - t0)
-        profiler.end(step + 1)
-        result.train_loss = _mean_over_ranks(loss.item(), ctx)
+        timer.stop()
+        profiler.end(done)
+        bad_run = torch.where(out.skipped, bad_run + 1, 0)
+        worst_run = torch.maximum(worst_run, bad_run)
         elapsed += time.perf_counter() - t_batch
         if ctx is not None:  # every rank stops at the same step
             elapsed = _mean_over_ranks(elapsed, ctx)
-        done = step + 1
+        out_of_time = bool(tc.max_seconds and elapsed >= tc.max_seconds) or done == stop_at
+        last = done == tc.steps or out_of_time
+        evaluating = done % tc.eval_every == 0 or last
+        if not (done % tc.log_every == 0 or evaluating or saving):
+            continue
+        # -- a logging step: the host reads what the device computed -------------------------
+        result.step_times += timer.read()
+        loss, aux, grad_norm, skipped = (float(t) for t in out)
+        result.train_loss = _mean_over_ranks(loss, ctx)
         record = {
             "step": done,
             "loss": result.train_loss,
-            "aux": _mean_over_ranks(aux.item(), ctx),
+            "aux": _mean_over_ranks(aux, ctx),
             "lr": lr,
             "step_time": result.step_times[-1],
             "elapsed": elapsed,
@@ -254,36 +275,33 @@ def train(
                 tc.batch_size * cfg.model.seq_len, flops_per_step, result.step_times[-1], peak_flops * world
             ),
             "peak_memory_mb": telemetry.peak_memory_bytes(device) / 2**20,
+            "grad_norm": grad_norm,
         }
-        record["grad_norm"] = float(grad_norm)
-        bad_steps = bad_steps + 1 if skipped else 0
         if skipped:
             record["skipped"] = True
             if rank == 0:
                 tqdm.write(
-                    f"step {done}: non-finite loss or gradient (loss {float(loss):.4g}, grad norm "
-                    f"{float(grad_norm):.4g}): skipped, weights unchanged ({bad_steps} in a row)"
+                    f"step {done}: non-finite loss or gradient (loss {loss:.4g}, grad norm {grad_norm:.4g}): "
+                    f"skipped, weights unchanged ({int(bad_run)} in a row)"
                 )
-            if bad_steps >= tc.max_bad_steps:
-                if log is not None:
-                    log.write(json.dumps(record) + "\n")
-                    log.close()
-                raise NonFiniteTrainingError(
-                    f"{bad_steps} consecutive steps (up to step {done}) had a non-finite loss or gradient "
-                    f"(train.max_bad_steps={tc.max_bad_steps}); stopped without writing a checkpoint (the last "
-                    f"good one: {checkpoint.latest(ckpt) or 'none'}). Check the data, lower train.lr, or "
-                    "raise train.max_bad_steps"
-                )
-        out_of_time = bool(tc.max_seconds and elapsed >= tc.max_seconds) or done == stop_at
-        last = done == tc.steps or out_of_time
-        evaluating = done % tc.eval_every == 0 or last
-        if done % tc.log_every == 0 or evaluating:
-            record.update(routing_metrics(model))  # of this training step, before eval overwrites them
-            warnings = health_warnings(record)
-            if warnings:
-                record["warnings"] = warnings
-                if rank == 0:
-                    tqdm.write(f"step {done}: router collapse? " + "; ".join(warnings))
+        worst = int(worst_run)
+        worst_run.zero_()
+        if worst >= tc.max_bad_steps:
+            if log is not None:
+                log.write(json.dumps(record) + "\n")
+                log.close()
+            raise NonFiniteTrainingError(
+                f"{worst} consecutive steps (up to step {done}) had a non-finite loss or gradient "
+                f"(train.max_bad_steps={tc.max_bad_steps}); stopped without writing a checkpoint (the last "
+                f"good one: {checkpoint.latest(ckpt) or 'none'}). Check the data, lower train.lr, or "
+                "raise train.max_bad_steps"
+            )
+        record.update(routing_metrics(model))  # of this training step, before eval overwrites them
+        warnings = health_warnings(record)
+        if warnings:
+            record["warnings"] = warnings
+            if rank == 0:
+                tqdm.write(f"step {done}: router collapse? " + "; ".join(warnings))
         if evaluating:
             result.val_loss, _ = evaluate(
                 model, val_split, tc.batch_size, tc.eval_batches, ctx=ctx, precision=precision
@@ -297,16 +315,17 @@ def train(
                 point["val_loss_causal"] = record["val_loss_causal"] = result.val_loss_causal
                 record.update({f"{k}@causal_eval": v for k, v in causal_metrics.items() if "causal_share" in k})
             result.history.append(point)
-        if log is not None and (done % tc.log_every == 0 or evaluating or skipped):
+        if log is not None:
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{result.train_loss:.3f}", val=f"{result.val_loss:.3f}")
-        if tc.ckpt_every and done % tc.ckpt_every == 0:
+        if saving:
             saved = done
             checkpoint.save(ckpt, model, opt, checkpoint.Progress(done, elapsed), cfg, gen, ctx, tc.keep_checkpoints)
         result.steps = done
         if out_of_time:
             break
+    result.step_times += timer.read()
     bar.close()
     profiler.close()
     if log is not None:
@@ -356,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         from mode.data import decode, encode  # noqa: PLC0415
 
         model.eval()
-        out = model.generate(encode("\n").to(cfg.train.device), args.sample, temperature=0.8, top_k=50)
+        out = model.generate(encode("\n").to(next(model.parameters()).device), args.sample, temperature=0.8, top_k=50)
         print(decode(out[0]))
 
 

@@ -249,7 +249,8 @@ def test_profile_step_tiny_names_the_host_reads(tmp_path):
         assert r["wall_ms"] > 0 and r["device_busy_ms"] is None  # CPU: no device timeline
         assert 0 < len(r["top_ops"]) <= 5 and all(op["self_ms_per_step"] >= 0 for op in r["top_ops"])
         assert not any(".py(" in op["op"] for op in r["top_ops"])  # Python frames are left out
-        # Host reads are traced to our Python lines: train_step reads whether the step was
-        # finite (``.item()``) at least once per step.
+        # Host reads are traced to our Python lines. On the CPU the profiler also sees the
+        # reads inside CPU kernels (fused AdamW's, ``_assert_async``'s), which a GPU does on
+        # the device: tests/test_step_ops.py counts the step's own (none).
         sites = {" ".join(s["stack"]): s["per_step"] for s in r["sync_sites"]}
-        assert any("mode/step.py" in k and "train_step" in k and v >= 1 for k, v in sites.items()), sites
+        assert sites and all("mode/" in k and v > 0 for k, v in sites.items()), sites

@@ -203,20 +203,28 @@ def test_routing_health_metrics_and_collapse_warnings():
 
 
 def test_rope_backward_is_the_inverse_rotation_of_autograd_through_the_formula():
-    from mode.layers.attention import apply_rope, rope_cos_sin, rotate
+    from mode.layers.attention import _Rope, apply_rope, rope_cos_sin, rope_rows, rope_table
 
     gen = torch.Generator().manual_seed(0)
     positions = torch.randint(0, 500, (2, 7), generator=gen).sort(dim=1).values
-    cos, sin = rope_cos_sin(positions, 10, 10000.0)
-    x = torch.randn(2, 3, 7, 10, dtype=torch.float64, generator=gen, requires_grad=True)
-    g = torch.randn(2, 3, 7, 10, dtype=torch.float64, generator=gen)
+    cos, sin = rope_cos_sin(positions, 10, 10000.0)  # [B, 1, T, Dh/2]
+    x = torch.randn(2, 7, 2, 3, 10, dtype=torch.float64, generator=gen, requires_grad=True)  # [B, T, q|k, H, Dh]
+    g = torch.randn(2, 7, 2, 3, 10, dtype=torch.float64, generator=gen)
     ref = x.detach().clone().requires_grad_(True)
-    # float64 through the reference formula (rotate computes in float32: compare that too)
+    # float64 through the reference formula (the fast path computes in float32: compare that too)
+    c, s = (t.squeeze(1)[:, :, None, None, :].double() for t in (cos, sin))  # [B, T, 1, 1, Dh/2]
     x1, x2 = ref.chunk(2, dim=-1)
-    out_ref = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out_ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     out_ref.backward(g)
-    out = apply_rope(x, cos, sin)
+    rows = rope_rows(positions, 10, 10000.0)
+    c, s = rows[:, :, 0, None, None, :], rows[:, :, 1, None, None, :]
+    out = apply_rope(x, c, s)
     out.backward(g)
     torch.testing.assert_close(out, out_ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(x.grad, ref.grad, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(rotate(out.detach(), cos, -sin), x.detach(), atol=1e-6, rtol=1e-5)  # orthogonal
+    assert x.grad.abs().max() > 0.1  # a gradient far above the tolerance
+    back = _Rope.apply(out.detach(), c, -s)
+    torch.testing.assert_close(back, x.detach(), atol=1e-6, rtol=1e-5)  # orthogonal: -angle undoes it
+    # The cached table holds the same rows as computing them from the positions.
+    table = rope_table(500, 10, 10000.0, torch.device("cpu"))
+    torch.testing.assert_close(table[positions], rows, atol=0, rtol=0)

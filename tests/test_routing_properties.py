@@ -37,12 +37,17 @@ def test_sort_by_expert_matches_a_stable_python_sort(case):
     kept = keep.reshape(-1).tolist() if keep is not None else [True] * (N * K)
     valid = [a for a in range(N * K) if flat[a] < E and kept[a]]
     ref_order = sorted(valid, key=lambda a: (flat[a], a))
-    assert d.order.tolist() == ref_order
-    assert d.token_idx.tolist() == [a // K for a in ref_order]
+    M = len(valid)
+    # The computed rows come first; a static-size dispatch (no-op experts or drops) keeps
+    # every assignment plus one scratch row, and its bags name that row for the others.
+    static = (keep is not None or n_noop > 0) and N > 0
+    assert d.order.numel() == (N * K + 1 if static else M)
+    assert d.order[:M].tolist() == ref_order
+    assert d.token_idx[:M].tolist() == [a // K for a in ref_order]
     assert d.counts.tolist() == [sum(1 for a in valid if flat[a] == e) for e in range(E)]
     # bags: each token's dispatched rows, in token-major order
     for n in range(N):
-        rows = d.bags[d.bag_offsets[n] : d.bag_offsets[n + 1]].tolist()
+        rows = [r for r in d.bags[d.bag_offsets[n] : d.bag_offsets[n + 1]].tolist() if r != d.pad]
         assert sorted(ref_order[r] for r in rows) == [a for a in valid if a // K == n]
 
 
@@ -56,7 +61,7 @@ def test_combine_of_permute_equals_the_per_token_weighted_sum(case, D):
     w = torch.rand(N, K, generator=gen, dtype=torch.float64)
     out = combine(permute(x, d) * 2.0, d, w)
     ref = torch.zeros(N, D, dtype=torch.float64)
-    for a in d.order.tolist():
+    for a in d.order[: int(d.counts.sum())].tolist():
         ref[a // K] += 2.0 * w[a // K, a % K] * x[a // K]
     torch.testing.assert_close(out, ref)
 

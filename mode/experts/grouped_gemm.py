@@ -1,7 +1,8 @@
 """Grouped GEMM backends: ``gmm(x [N, K], w [E, K, M], counts [E]) -> [N, M]``.
 
 Rows of ``x`` are sorted by expert: rows ``offsets[e-1]:offsets[e]`` (``offsets = cumsum(counts)``)
-are multiplied by ``w[e]``. Backends:
+are multiplied by ``w[e]``. Rows past ``offsets[-1]`` (a static-size dispatch's scratch rows)
+belong to no expert: their output is unspecified (``loop`` writes zeros) and never read. Backends:
 
 - ``loop``: one matmul per expert (the reference; any device and dtype).
 - ``torch``: ``torch._grouped_mm`` as a custom op whose registered backward makes the
@@ -48,8 +49,10 @@ GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def gmm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Reference grouped GEMM: x [N, K], w [E, K, M], counts [E] -> [N, M]."""
-    outs = [xe @ w[e] for e, xe in enumerate(torch.split(x, counts.tolist(), dim=0))]
-    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
+    sizes = counts.tolist()
+    tail = x.shape[0] - sum(sizes)  # rows past every group (a dispatch's scratch rows): zeros
+    outs = [xe @ w[e] for e, xe in enumerate(torch.split(x, [*sizes, tail], dim=0)[: len(sizes)])]
+    return torch.cat([*outs, x.new_zeros(tail, w.shape[-1])], dim=0)
 
 
 # NOTE: the grouped GEMM is a torch.library custom op with a fake (meta) implementation

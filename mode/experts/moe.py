@@ -24,8 +24,8 @@ from mode.checks import check_choice, check_hidden, check_int, check_positive, c
 from mode.experts.dispatch import Dispatcher, LocalDispatcher
 from mode.experts.grouped_gemm import BACKEND_NAMES
 from mode.experts.mlp import MLP_KINDS, ExpertMLP, MlpKind, mlp_flops
-from mode.experts.permute import padded_combine, padded_dispatch, sort_by_expert, unpermute
-from mode.routed import Routed, Router, recomputing
+from mode.experts.permute import computed, padded_combine, padded_dispatch, sort_by_expert, unpermute
+from mode.routed import Routed, Router, measuring, recomputing
 from mode.routing.losses import (
     LB_SCOPES,
     LbScope,
@@ -213,29 +213,33 @@ class MoELayer(Routed):
             # Training only: evaluation needs no balance loss, nor a collective per layer.
             group = self.balance_group if self.lb_scope == "global_batch" and self.training else None
             lb = load_balance_loss(choice.probs, choice.experts, self.target, finite, group)
-        load = expert_load(choice.experts, self.n_experts + self.n_noop)
         self.record_aux("lb_loss", lb, self.lb_coef)
-        self.metrics["load"] = load
-        real = load[: self.n_experts]  # share of all assignments on each real expert
-        self.metrics["load_max"] = real.max()
-        self.metrics["load_max_over_mean"] = real.max() / real.mean().clamp_min(1e-9)
-        if self.n_noop:
-            self.metrics["noop_share"] = load[self.n_experts :].sum()
+        if measuring() or self.bias_rate:
+            load = expert_load(choice.experts, self.n_experts + self.n_noop)
+        if measuring():
+            self.metrics["load"] = load
+            real = load[: self.n_experts]  # share of all assignments on each real expert
+            self.metrics["load_max"] = real.max()
+            self.metrics["load_max_over_mean"] = real.max() / real.mean().clamp_min(1e-9)
+            if self.n_noop:
+                self.metrics["noop_share"] = load[self.n_experts :].sum()
         if self.training and self.bias_rate and not recomputing():
             self._load_sum += load
         self.record_aux("z_loss", router_z_loss(logits, finite), self.z_coef)
         return choice, logits
 
-    def after_optimizer_step(self, apply: bool = True) -> None:
+    def after_optimizer_step(self, apply: bool | torch.Tensor = True) -> None:
         """Aux-loss-free balancing: move the selection bias toward the target load (with the
-        load recorded since the last step; ``apply=False`` only clears it)."""
-        if not apply:
-            self._load_sum.zero_()
-        elif self.bias_rate and self._load_sum.sum() > 0:
-            load = self._load_sum / self._load_sum.sum()
+        load recorded since the last step; ``apply=False`` only clears it; a 0-dim bool tensor
+        decides on the device)."""
+        if self.bias_rate and apply is not False:  # no host read: a step with no load moves nothing
+            total = self._load_sum.sum()
+            moved = self.selection_bias.clone()
             target = self.target if self.n_noop else None
-            update_selection_bias(self.selection_bias, load, self.bias_rate, target)
-            self._load_sum.zero_()
+            update_selection_bias(moved, self._load_sum / total.clamp_min(1e-12), self.bias_rate, target)
+            take = (total > 0) & torch.as_tensor(apply, device=total.device)
+            self.selection_bias.copy_(torch.where(take, moved, self.selection_bias))
+        self._load_sum.zero_()
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,8 +271,9 @@ class DroplessMoE(MoELayer):
 
     def _compute(self, x2: torch.Tensor, choice: TokenChoice) -> torch.Tensor:
         dispatch = sort_by_expert(choice.experts, self.n_experts, has_noop=self.n_noop > 0)
-        self.metrics["dispatched"] = dispatch.order.numel()
-        self.metrics["drop_fraction"] = 0.0
+        if measuring():
+            self.metrics["dispatched"] = computed(dispatch)
+            self.metrics["drop_fraction"] = 0.0
         return self.dispatcher.token_choice(x2, dispatch, choice.weights, self.experts)
 
 
@@ -303,9 +308,10 @@ class CapacityMoE(MoELayer):
         rank = capacity_rank(choice.experts, choice.weights, self.drop_policy)  # [N, K]
         placed = (rank < C) & (choice.experts < E)
         slots = choice.experts * C + rank
-        kept = placed.sum()
-        self.metrics["dispatched"] = kept
-        self.metrics["drop_fraction"] = 1.0 - kept / (choice.experts < E).sum().clamp_min(1)
+        if measuring():
+            kept = placed.sum()
+            self.metrics["dispatched"] = kept
+            self.metrics["drop_fraction"] = 1.0 - kept / (choice.experts < E).sum().clamp_min(1)
         buffer = padded_dispatch(x2, slots, placed, E * C)  # [E * C, D]
         y = self.experts.forward_padded(buffer.view(E, C, D)).reshape(E * C, D)
         return padded_combine(y, slots, placed, choice.weights)

@@ -26,13 +26,19 @@ from mode.routing.counting import count_ids
 class Dispatch(NamedTuple):
     """Assignments sorted by expert (stable: ties keep token order), and the way back.
 
-    order:     [M] index into the flattened [N*K] assignments, sorted by expert.
-    token_idx: [M] token row each sorted assignment reads (``order // K``).
-    counts:    [E] assignments per expert (grouped-GEMM group sizes).
-    bags:      [M] the same assignments in token order, as rows of the expert-ordered buffer:
+    order:     [R] index into the flattened [N*K] assignments, sorted by expert; the rows of
+               the expert-ordered buffer (R = M, or N*K + 1 with ``pad``, see below).
+    token_idx: [R] token row each sorted row reads (``order // K``).
+    counts:    [E] assignments per expert (grouped-GEMM group sizes); rows past their sum are
+               not computed by any expert.
+    bags:      [N*K or M] the assignments in token order, as rows of the expert-ordered buffer:
                token n's rows are ``bags[bag_offsets[n]:bag_offsets[n + 1]]``.
-    bag_offsets: [N + 1] start of each token's rows in ``bags`` (last entry M).
-    assignment: [M] flattened [N*K] assignment index of each entry of ``bags`` (ascending).
+    bag_offsets: [N + 1] start of each token's rows in ``bags``.
+    assignment: flattened [N*K] assignment index of each entry of ``bags`` (ascending).
+    pad:       None, or the buffer row that ``bags`` names for assignments that are not
+               computed (no-op or dropped): a scratch row past the sorted ones, never read
+               (``embedding_bag``'s ``padding_idx``). Sizes then stay N*K + 1 whatever the
+               routing, so no host read of the count and no data-dependent shape.
     """
 
     order: torch.Tensor
@@ -41,47 +47,59 @@ class Dispatch(NamedTuple):
     bags: torch.Tensor
     bag_offsets: torch.Tensor
     assignment: torch.Tensor
+    pad: int | None = None
 
 
 def sort_by_expert(
     experts: torch.Tensor, n_experts: int, keep: torch.Tensor | None = None, has_noop: bool = False
 ) -> Dispatch:
     """experts: [N, K] expert ids; keep: [N, K] bool (None = all). With ``has_noop``, ids >=
-    ``n_experts`` (no-op experts) are left out, as are assignments whose ``keep`` is False.
-    Without either, M = N*K and no shape depends on the data (compile-friendly)."""
+    ``n_experts`` (no-op experts) are not computed, nor are assignments whose ``keep`` is
+    False: they sort to the end, past every expert's rows, and their bags name the scratch
+    row ``pad = N*K``. No shape depends on the data either way (no host sync, compiles)."""
     N, K = experts.shape
     flat = experts.reshape(-1)
-    valid = flat < n_experts
-    if keep is not None:
-        valid = valid & keep.reshape(-1)
-    # NOTE: invalid assignments get key E and sort to the end, where they are cut off.
-    key = torch.where(valid, flat, torch.full_like(flat, n_experts))
-    counts = count_ids(key, n_experts + 1)[:n_experts]
-    order = torch.sort(key, stable=True).indices
     device = experts.device
-    if keep is None and not has_noop:
+    if (keep is None and not has_noop) or N == 0:  # (no tokens: nothing to leave out)
+        counts = count_ids(flat, n_experts)
+        order = torch.sort(flat, stable=True).indices
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(N * K, device=device)
         bag_offsets = torch.arange(0, N * K + 1, K, device=device)
         assignment = torch.arange(N * K, device=device)
         return Dispatch(order, torch.div(order, K, rounding_mode="floor"), counts, inverse, bag_offsets, assignment)
-    M = int(counts.sum())
-    order = order[:M]
-    # Rows of the dispatched assignments in assignment (= token-major) order.
-    assignment, rank = torch.sort(order)
-    bag_offsets = torch.zeros(N + 1, dtype=torch.long, device=device)
-    bag_offsets[1:] = torch.cumsum(valid.view(N, K).sum(1), 0)
-    return Dispatch(order, torch.div(order, K, rounding_mode="floor"), counts, rank, bag_offsets, assignment)
+    valid = flat < n_experts
+    if keep is not None:
+        valid = valid & keep.reshape(-1)
+    # NOTE: invalid assignments get key E and sort to the end, after every expert's rows.
+    key = torch.where(valid, flat, torch.full_like(flat, n_experts))
+    counts = count_ids(key, n_experts + 1)[:n_experts]
+    order = torch.sort(key, stable=True).indices
+    pad = N * K
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(N * K, device=device)
+    bags = torch.where(valid, inverse, pad)
+    # The scratch row reads assignment 0's token (any token: no expert computes it).
+    order = torch.cat([order, order.new_zeros(1)])
+    bag_offsets = torch.arange(0, N * K + 1, K, device=device)
+    assignment = torch.arange(N * K, device=device)
+    return Dispatch(order, torch.div(order, K, rounding_mode="floor"), counts, bags, bag_offsets, assignment, pad)
+
+
+def computed(dispatch: Dispatch) -> torch.Tensor:
+    """0-dim count of the assignments an expert computes (M), on the device."""
+    return dispatch.counts.sum()
 
 
 def bag_tokens(dispatch: Dispatch, k: int) -> torch.Tensor:
-    """[M] token of each entry of ``dispatch.bags``."""
+    """[N*K or M] token of each entry of ``dispatch.bags``."""
     return torch.div(dispatch.assignment, k, rounding_mode="floor")
 
 
 def gather_sum(rows: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[n] = sum of weights[a] * rows[bags[a]]`` over token n's entries: rows [M, D] in
-    expert order, weights [M] in bag order (None = 1) -> [N, D]; tokens without rows get 0."""
+    """``out[n] = sum of weights[a] * rows[bags[a]]`` over token n's entries: rows [R, D] in
+    expert order, weights in bag order (None = 1) -> [N, D]; tokens without rows get 0, and
+    entries naming ``dispatch.pad`` are skipped (never read)."""
     return F.embedding_bag(
         dispatch.bags,
         rows,
@@ -89,6 +107,7 @@ def gather_sum(rows: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | N
         mode="sum",
         per_sample_weights=weights,
         include_last_offset=True,
+        padding_idx=dispatch.pad,
     )
 
 
@@ -123,7 +142,8 @@ class _Permute(torch.autograd.Function):
 
 
 def permute(x: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
-    """x: [N, D] -> [M, D], the token rows in expert order."""
+    """x: [N, D] -> [R, D], the token rows in expert order; the backward sums into each token
+    the gradients of its computed rows only (rows past ``counts.sum()`` carry none back)."""
     return _Permute.apply(x, dispatch)
 
 
@@ -162,12 +182,17 @@ class _Combine(torch.autograd.Function):
         d: Dispatch = ctx.dispatch
         grad_out = grad_out.contiguous()
         grad_y = grad_w = None
+        computed_entries = None if d.pad is None else d.bags != d.pad
+        if computed_entries is not None:
+            w = torch.where(computed_entries, w, 0)  # the scratch row gets no gradient
         if ctx.needs_input_grad[0]:
-            w_sorted = torch.empty_like(w)
-            w_sorted[d.bags] = w  # expert order
+            w_sorted = w.new_zeros(y.shape[0])
+            w_sorted[d.bags] = w  # expert order (entries naming the scratch row all write 0)
             grad_y = scaled_gather(grad_out, d.token_idx, w_sorted)  # w[m] * grad_out[token_idx[m]]
         if ctx.needs_input_grad[1]:
             grad_w = gathered_dots(grad_out, bag_tokens(d, ctx.k), y, d.bags)
+            if computed_entries is not None:  # the scratch row holds no output: weight gradient 0
+                grad_w = torch.where(computed_entries, grad_w, 0)
         return grad_y, grad_w, None, None
 
 

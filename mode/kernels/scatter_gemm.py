@@ -297,8 +297,9 @@ def rows_wgrad(
 
 def _slot_buffer(like: torch.Tensor, n_tokens: int, top_k: int, width: int, n_rows: int) -> torch.Tensor:
     """[N * K, width] buffer of per-assignment rows; zero-filled only when some assignments
-    are absent (M < N * K), since then some slots are never written."""
-    make = torch.zeros if n_rows < n_tokens * top_k else torch.empty
+    are absent (M < N * K, or a static-size dispatch's N * K + 1 rows, some of which no
+    expert computes), since then some slots are never written."""
+    make = torch.zeros if n_rows != n_tokens * top_k else torch.empty
     return make(n_tokens * top_k, width, dtype=like.dtype, device=like.device)
 
 
@@ -316,7 +317,10 @@ class _ScatteredGemm(torch.autograd.Function):
     def forward(ctx, x, w, rows, slots, counts, top_k: int):
         ctx.save_for_backward(x, w, rows, slots, counts)
         ctx.top_k = top_k
-        out = x.new_empty(rows.numel(), w.shape[2])
+        # NOTE: a static-size dispatch has rows past every expert's (no tile writes them):
+        # zeros there, so the rows stay finite through the activation and the combine.
+        padded = rows.numel() > x.shape[0] * top_k
+        out = (x.new_zeros if padded else x.new_empty)(rows.numel(), w.shape[2])
         return rows_gemm(x, w, counts, out, src_rows=rows)
 
     @staticmethod
@@ -340,6 +344,7 @@ class _GemmCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, weights, rows, slots, counts, top_k: int, n_tokens: int):
         ctx.save_for_backward(h, w, weights, rows, counts)
+        ctx.top_k = top_k
         buffer = _slot_buffer(h, n_tokens, top_k, w.shape[2], rows.numel())
         rows_gemm(h, w, counts, buffer, dst_rows=slots, scale=weights)
         return _sum_slots(buffer, n_tokens, top_k)
@@ -351,7 +356,9 @@ class _GemmCombine(torch.autograd.Function):
         grad_h = grad_w = grad_weights = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
             # d(out)/d(h[m]) before the weight: grad[rows[m]] @ w[e]^T, read through rows.
-            grad_h_raw = rows_gemm(grad, w.transpose(1, 2), counts, h.new_empty(h.shape), src_rows=rows)
+            padded = rows.numel() > grad.shape[0] * ctx.top_k  # rows no expert computes: zeros
+            buffer = h.new_zeros(h.shape) if padded else h.new_empty(h.shape)
+            grad_h_raw = rows_gemm(grad, w.transpose(1, 2), counts, buffer, src_rows=rows)
             if ctx.needs_input_grad[2]:  # <grad[rows[m]], h[m] @ w[e]> = <grad_h_raw[m], h[m]>
                 grad_weights = torch.linalg.vecdot(grad_h_raw.float(), h.float()).to(weights.dtype)
             if ctx.needs_input_grad[0]:

@@ -64,32 +64,79 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[t
     return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The RoPE rotation of x: [B, H, T, Dh] by angles with cos, sin: [B, 1, T, Dh/2]: each
-    pair (x_i, x_{i + Dh/2}) turns by its angle (GPT-NeoX layout), computed in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+def rope_rows(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
+    """positions: [...] integer -> [..., 2, Dh] float32 rows ``(C, S)`` with C = (cos, cos) and
+    S = (-sin, sin) of each pair's angle, so that RoPE is ``x * C + swap_halves(x) * S``."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., Dh/2]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=-2)
+
+
+# (device, head_dim, base) -> [L, 2, Dh] rows of positions 0..L-1, grown on demand: computed
+# once per process for every layer and step, not once per layer per forward; and the
+# (C, S) views [T, 1, 1, Dh] of its first T rows, so a dense block's RoPE costs no table op.
+_ROPE_TABLES: dict[tuple[str, int, float], torch.Tensor] = {}
+_ROPE_PREFIXES: dict[tuple[str, int, float, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_table(length: int, head_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """[length, 2, Dh] ``rope_rows`` of positions 0..length-1 (a cached table's first rows).
+    Under ``torch.compile`` computed in the graph (the compiler folds it), not cached."""
+    if torch.compiler.is_compiling():
+        return rope_rows(torch.arange(length, device=device), head_dim, base)
+    key = (str(device), head_dim, float(base))
+    table = _ROPE_TABLES.get(key)
+    if table is None or table.shape[0] < length:
+        size = max(length, 2 * table.shape[0] if table is not None else 256)
+        # NOTE: made outside inference mode so that a table first built while sampling can
+        # still be saved for backward by a later training step.
+        with torch.inference_mode(False), torch.no_grad():
+            table = rope_rows(torch.arange(size, device=device), head_dim, base)
+        _ROPE_TABLES[key] = table
+    return table[:length]
+
+
+def rope_prefix(length: int, head_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, S): [length, 1, 1, Dh] each, the RoPE factors of positions 0..length-1, shaped to
+    broadcast over [B, T, n, H, Dh] (cached views of ``rope_table``)."""
+    key = (str(device), head_dim, float(base), length)
+    cached = None if torch.compiler.is_compiling() else _ROPE_PREFIXES.get(key)
+    if cached is None:
+        rows = rope_table(length, head_dim, base, device)[:, :, None, None, :]  # [T, 2, 1, 1, Dh]
+        cached = rows[:, 0], rows[:, 1]
+        if not torch.compiler.is_compiling():
+            _ROPE_PREFIXES[key] = cached
+    return cached
+
+
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (x2, x1) along the last dim (its own inverse and its own transpose)."""
+    return x.roll(x.shape[-1] // 2, dims=-1)
 
 
 class _Rope(torch.autograd.Function):
-    """RoPE with a hand-written backward: the rotation is orthogonal, so the input gradient
-    is the output gradient turned back (``rotate`` by -angle). Saves cos and sin only, where
-    autograd through ``rotate`` would keep four half-size products and run twice the kernels."""
+    """RoPE as ``y = x * C + swap_halves(x) * S`` in float32 (GPT-NeoX layout: each pair
+    (x_i, x_{i + Dh/2}) turns by its angle), with a hand-written backward: the rotation is
+    orthogonal, so ``dx = g * C + swap_halves(g * S)``. Saves only the table rows."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return rotate(x, cos, sin)
+    def forward(ctx, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(c, s)
+        xf = x.float()
+        return (xf * c + swap_halves(xf) * s).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        cos, sin = ctx.saved_tensors
-        return rotate(grad, cos, -sin), None, None
+        c, s = ctx.saved_tensors
+        g = grad.float()
+        return (g * c + swap_halves(g * s)).to(grad.dtype), None, None
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, Dh] -> x with RoPE applied (``rotate``; cos, sin from ``rope_cos_sin``)."""
-    return _Rope.apply(x, cos, sin)
+def apply_rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x rotated by RoPE: x [B, T, n, H, Dh] (q and k together: n = 2), c and s its factors
+    broadcast to x (``rope_prefix``'s [T, 1, 1, Dh], or [B, T, 1, 1, Dh] gathered rows)."""
+    return _Rope.apply(x, c, s)
 
 
 class CausalSelfAttention(nn.Module):
@@ -116,21 +163,44 @@ class CausalSelfAttention(nn.Module):
             raise RuntimeError(f"attention backend {backend!r} cannot be used: {reason}")
         self.backend = backend
 
-    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x: [B, T, D], positions: [B, T] -> q, k, v: [B, H, T, Dh] with RoPE applied to q, k."""
+    def rope(
+        self, positions: torch.Tensor | None, T: int, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE factors (C, S) for T tokens at ``positions`` [B, T] (None: 0..T-1, [T, 1, 1, Dh]
+        views of the cached table), else [B, T, 1, 1, Dh]. ``length`` bounds the positions
+        (e.g. the full sequence a routed block gathered from): the rows are then one gather
+        from the cached table; without it they are computed from the positions."""
+        if positions is None:
+            return rope_prefix(T, self.head_dim, self.rope_base, self.qkv.weight.device)
+        if length is not None:
+            rows = rope_table(length, self.head_dim, self.rope_base, positions.device)[positions]
+        else:
+            rows = rope_rows(positions, self.head_dim, self.rope_base)
+        rows = rows[:, :, :, None, None, :]  # [B, T, 2, 1, 1, Dh]
+        return rows[:, :, 0], rows[:, :, 1]
+
+    def project_qkv(
+        self, x: torch.Tensor, positions: torch.Tensor | None, length: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """x: [B, T, D], positions: [B, T] (None: 0..T-1; ``length`` as in ``rope``) -> q, k,
+        v: [B, H, T, Dh] with RoPE applied to q and k (one rotation of both)."""
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_base)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim)
+        qk = apply_rope(qkv[:, :, :2], *self.rope(positions, T, length))
+        q, k = qk.permute(2, 0, 3, 1, 4).unbind(0)
+        return q, k, qkv[:, :, 2].transpose(1, 2)
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
         """y: [B, H, T, Dh] -> [B, T, D]."""
         B, H, T, Dh = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, H * Dh))
 
-    def attend(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, D] -> (out [B, T, D], k, v [B, H, T, Dh]), causal over the given order."""
-        q, k, v = self.project_qkv(x, positions)
+    def attend(
+        self, x: torch.Tensor, positions: torch.Tensor | None, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, D] -> (out [B, T, D], k, v [B, H, T, Dh]), causal over the given order;
+        positions [B, T] (None: 0..T-1) and ``length`` as in ``rope``."""
+        q, k, v = self.project_qkv(x, positions, length)
         # NOTE: positions are ascending within a row, so "causal in token order" is "causal by
         # original position" (a routed block passes its chosen tokens in position order).
         if self.backend == "xformers":
@@ -143,8 +213,6 @@ class CausalSelfAttention(nn.Module):
         return self.output(y), k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        if positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)
         return self.attend(x, positions)[0]
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, cache, rows: torch.Tensor) -> torch.Tensor:

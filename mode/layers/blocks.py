@@ -58,13 +58,13 @@ class TransformerBlock(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_keep: torch.Tensor | None = None,
+        length: int | None = None,
     ) -> torch.Tensor:
         """f(x): the block's residual update, so that ``forward(x) = x + f(x)``. With a
         ``cache``, the keys/values of the tokens marked by ``cache_keep`` ([B, T]; all when
-        None) are stored in it."""
-        if positions is None:
-            positions = default_positions(x)
-        h, k, v = self.attn.attend(self.norm1(x), positions)
+        None) are stored in it. ``positions`` [B, T] (None: 0..T-1) and ``length``, a bound
+        on them (a routed block's full sequence length), as in ``CausalSelfAttention.rope``."""
+        h, k, v = self.attn.attend(self.norm1(x), positions, length)
         if cache is not None:
             cache.fill(k, v, cache_keep)
         return h + self.mlp(self.norm2(x + h))

@@ -20,7 +20,7 @@ from mode.kernels import triton_missing_reason, triton_unavailable_reason
 from mode.layers.blocks import DenseBlock, MoEBlock, TransformerBlock, check_routing, default_positions
 from mode.layers.kv_cache import KVCache
 from mode.layers.predictor import RoutingPredictor
-from mode.routed import Routed, Router
+from mode.routed import Routed, Router, measuring
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
 from mode.routing.counting import count_ids
 from mode.routing.expert_choice import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
@@ -178,7 +178,8 @@ class MoDBlock(Routed):
         self._record_causal_losses(x, scores, plan.mask)
         k = plan.indices.shape[1]
         self.metrics["routed_share"] = k / x.shape[1]
-        self._record_health(scores, plan.indices)
+        if measuring():
+            self._record_health(scores, plan.indices)
         if k == 0:
             return x
         if x.shape[0] == 0:
@@ -190,8 +191,10 @@ class MoDBlock(Routed):
         # [B, k, D] and the residual stream
         x_sel, x = take_tokens(x, plan.indices, rows) if ops is None else ops.take_tokens(x, rows)
         weights = plan.weights if scores.requires_grad else self.router_logits(x_sel)  # [B, k]
-        chosen_positions = plan.indices if positions is None else positions.gather(1, plan.indices)
-        delta = self.block.delta(x_sel, chosen_positions)  # [B, k, D]
+        if positions is None:  # RoPE rows: one gather from the cached table of the T positions
+            delta = self.block.delta(x_sel, plan.indices, length=x.shape[1])  # [B, k, D]
+        else:
+            delta = self.block.delta(x_sel, positions.gather(1, plan.indices))
         gate = GATES[self.gate](weights)
         if ops is not None:
             return ops.add_gated_tokens(x, rows, gate.reshape(-1), delta.reshape(-1, delta.shape[-1]))
@@ -218,8 +221,9 @@ class MoDBlock(Routed):
             self.predictor.update_threshold(scores, chosen)
         logits = self.decision_logits(x, scores)
         self.record_aux("causal_bce", membership_bce(logits, chosen), self.causal_coef)
-        for name, value in decision_metrics(logits, chosen).items():
-            self.metrics[f"decision_{name}"] = value
+        if measuring():
+            for name, value in decision_metrics(logits, chosen).items():
+                self.metrics[f"decision_{name}"] = value
 
     def _forward_causal(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """Each token decides alone (x: a sequence from its first token); the block runs on the
@@ -296,9 +300,8 @@ class RandomMoDBlock(MoDBlock):
         )
         self.router.requires_grad_(False)
 
-    # NOTE: outside compiled graphs, so that a compiled model draws what the eager one draws
-    # (inductor has its own RNG).
-    @torch.compiler.disable
+    # NOTE: traced into compiled graphs (fullgraph); ``mode.compile`` compiles with inductor's
+    # ``fallback_random`` so that a compiled model draws what the eager one draws.
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T] uniform random scores, no gradient: from the global torch RNG
         in training, from a generator seeded 0 at every forward in evaluation, so that an

@@ -170,12 +170,12 @@ class RoutingPredictor(nn.Module):
         self.pending += torch.stack([kth.sum(), torch.full((), float(kth.numel()), device=kth.device)])
 
     @torch.no_grad()
-    def after_optimizer_step(self, apply: bool = True) -> None:
+    def after_optimizer_step(self, apply: bool | torch.Tensor = True) -> None:
         """Move the running threshold toward the mean recorded k-th score (EMA with
         ``momentum``; the first update sets it) and clear the record (only clear it when
-        ``apply`` is False)."""
-        if apply:  # on the device throughout: no host read of ``pending`` (a sync per layer and step)
-            recorded = self.pending[1] > 0
+        ``apply`` is False; a 0-dim bool tensor decides on the device)."""
+        if apply is not False:  # on the device throughout: no host read of ``pending`` or ``apply``
+            recorded = (self.pending[1] > 0) & torch.as_tensor(apply, device=self.pending.device)
             batch_kth = self.pending[0] / self.pending[1].clamp_min(1)
             ema = torch.lerp(self.threshold, batch_kth, self.momentum)
             moved = torch.where(self.calibrated, ema, batch_kth)

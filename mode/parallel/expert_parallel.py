@@ -47,6 +47,10 @@ class ExpertParallelDispatcher(Dispatcher):
         recv_counts = exchange_counts(counts_pe, self.group)  # [P, E_l]: from rank p for my expert e
         send_splits = counts_pe.sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
+        rows = x_sorted.shape[0]
+        # NOTE: a static-size dispatch (no-op experts) has scratch rows past every expert's:
+        # they stay here (the splits are host values already) and come back as zeros.
+        x_sorted = x_sorted[: sum(send_splits)]
         x_recv = all_to_all(x_sorted, send_splits, recv_splits, self.group)  # [R, D] by (source, expert)
         # Regroup (source, expert) -> (expert, source) for the grouped GEMM, and back after it.
         expert_of_row = torch.repeat_interleave(
@@ -58,7 +62,8 @@ class ExpertParallelDispatcher(Dispatcher):
         y_local = experts(x_recv.index_select(0, order), recv_counts.sum(0))
         y_recv = y_local.index_select(0, inverse)
         self._count(send_splits, recv_splits, x_sorted)
-        return all_to_all(y_recv, recv_splits, send_splits, self.group)
+        y_sorted = all_to_all(y_recv, recv_splits, send_splits, self.group)
+        return torch.nn.functional.pad(y_sorted, (0, 0, 0, rows - y_sorted.shape[0]))
 
     def _count(self, send_splits: list[int], recv_splits: list[int], x: torch.Tensor) -> None:
         if recomputing():
