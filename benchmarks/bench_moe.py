@@ -6,6 +6,8 @@
 Forward+backward time, median of repeats after warm-up, all candidates timed round-robin;
 every ratio is to the dense MLP (hidden top_k * ffn) of the same dtype. Cases: "balanced"
 (a random router) and "skewed" (half the tokens strongly prefer expert 0).
+"dropless[torch, index moves]" moves token rows with ``index_select`` and a batched
+combine instead of the fused ``embedding_bag`` gather-sums (``model.moe.token_moves``).
 The "experts only" row is the grouped path's floor: its grouped GEMMs + GELU on tokens
 already sorted by expert (no router, no permutation, no combination); the "padded GEMMs+GELU
 only" row is the capacity layer's (cf 1.25): its batched GEMMs + GELU on the [E, C, D] buffer,
@@ -89,6 +91,9 @@ def build_layers(args, dtype, base: DroplessMoE) -> dict[str, torch.nn.Module]:
             continue
         shown = resolve_name(name, args.device, dtype, d, f, rows=args.tokens * K) if name == "auto" else None
         layers[f"dropless[auto={shown}]" if shown else f"dropless[{name}]"] = DroplessMoE(d, f, E, K, backend=name)
+    if not unavailable_reason("torch", torch.device(args.device), dtype, d, f):
+        # The other token moves (index_select + batched combine) on the grouped GEMM path.
+        layers["dropless[torch, index moves]"] = DroplessMoE(d, f, E, K, backend="torch", token_moves="index")
     for cf in (1.0, 1.25, 2.0):
         layers[f"capacity cf={cf}"] = CapacityMoE(d, f, E, K, capacity_factor=cf)
     for layer in layers.values():

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One prepared check for a lent GPU (one CUDA device, no network, torch with CUDA and Triton
-# installed, nothing else installable), within 8 minutes in all:
+# installed, nothing else installable), within 6 minutes in all:
 #   1. the CUDA-marked tests (kernels vs references on the GPU, xformers, MegaBlocks adapter);
-#   2. bench_kernels.py, bench_moe.py, bench_blocks.py, bench_train.py in bf16.
+#   2. bench_kernels.py, bench_moe.py, bench_blocks.py in bf16;
+#   3. bench_train.py at two shapes (8 layers d 1024; GPT-2 small with its 50304 vocabulary),
+#      eager and compiled, and profile_step.py (syncs, kernels, busy share) at the first;
+#   4. gpu_verdicts.py: every target of the GPU-step issue with its verdict (verdicts.json).
 # Every JSON (and each step's log) goes under $OUT (default benchmarks/results/gpu/).
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repository root
@@ -27,15 +30,22 @@ if [ "${1:-}" = "--cpu-try" ]; then
   MOE_ARGS="--device cpu --tokens 1024 --d-model 256 --d-ff 256 --repeats 2 --warmup 1"
   BLOCKS_ARGS="--device cpu --seq 256 --batch 2 --d-model 256 --n-heads 4 --capacities 0.125 --repeats 2 --warmup 1"
   TRAIN_ARGS="--device cpu --modes bf16_eager --presets dense mod --batch 2 --seq 128 --layers 2 --repeats 2 --warmup 1"
-  LIMITS=(300 300 300 300 300)
+  GPT2_ARGS="--device cpu --modes bf16_eager --presets dense nanogpt --batch 2 --seq 64 --layers 2 --d-model 64"
+  GPT2_ARGS="$GPT2_ARGS --n-heads 2 --vocab 512 --repeats 2 --warmup 1"
+  PROFILE_ARGS="--device cpu --presets dense mod --batch 2 --seq 64 --layers 2 --d-model 64 --n-heads 2"
+  LIMITS=(300 300 300 300 300 300 300)
 else
   DEVICE=cuda
   KERNELS_ARGS="--device cuda --repeats 7"
   MOE_ARGS="--device cuda --tokens 32768 --d-model 2048 --d-ff 1408 --repeats 5"
   BLOCKS_ARGS="--device cuda --seq 4096 --batch 8 --d-model 2048 --n-heads 16 --repeats 5"
   TRAIN_ARGS="--device cuda --modes bf16_eager bf16_compiled --presets dense mod mod_random moe mode_staged"
-  TRAIN_ARGS="$TRAIN_ARGS mode_integrated nanogpt --batch 16 --seq 1024 --layers 8 --d-model 1024 --n-heads 16 --repeats 5"
-  LIMITS=(45 45 60 45 165)  # seconds per step: 360 in all, the 6-minute budget
+  TRAIN_ARGS="$TRAIN_ARGS mode_integrated --batch 16 --seq 1024 --layers 8 --d-model 1024 --n-heads 16 --repeats 5"
+  GPT2_ARGS="--device cuda --modes bf16_eager bf16_compiled --presets dense nanogpt dense_norope mod mod_random moe"
+  GPT2_ARGS="$GPT2_ARGS --gpt2-small --vocab 50304 --repeats 5"
+  PROFILE_ARGS="--device cuda --presets dense nanogpt mod moe --batch 16 --seq 1024 --layers 8 --d-model 1024"
+  PROFILE_ARGS="$PROFILE_ARGS --n-heads 16 --steps 3 --warmup 2 --top 6"
+  LIMITS=(30 25 40 25 100 100 40)  # seconds per step: 360 in all, the 6-minute budget
 fi
 
 status=0
@@ -69,7 +79,10 @@ step cuda-tests "${LIMITS[0]}" "$PY" -m pytest -q -p no:cacheprovider -m cuda te
 step bench-kernels "${LIMITS[1]}" "$PY" benchmarks/bench_kernels.py --dtype bfloat16 $KERNELS_ARGS
 step bench-moe "${LIMITS[2]}" "$PY" benchmarks/bench_moe.py --dtypes bfloat16 $MOE_ARGS
 step bench-blocks "${LIMITS[3]}" "$PY" benchmarks/bench_blocks.py --dtype bfloat16 $BLOCKS_ARGS
-step bench-train "${LIMITS[4]}" "$PY" benchmarks/bench_train.py $TRAIN_ARGS
+step bench-train "${LIMITS[4]}" "$PY" benchmarks/bench_train.py $TRAIN_ARGS --label d1024
+step bench-train-gpt2 "${LIMITS[5]}" "$PY" benchmarks/bench_train.py $GPT2_ARGS --label gpt2-small
+step profile "${LIMITS[6]}" "$PY" benchmarks/profile_step.py $PROFILE_ARGS
+"$PY" benchmarks/gpu_verdicts.py "$OUT" | tee "$OUT/verdicts.txt"
 echo "results in $OUT:"
 ls "$OUT"
 exit $status

@@ -15,6 +15,17 @@ Two on-disk kinds, chosen by the run, read by the same ``load``:
 NOTE: two kinds rather than DCP for both: a single-process user gets one portable file
 that ``torch.load`` reads without a process group, DCP's planner or a directory layout.
 
+Loading never runs code from the file: every file is read with ``torch.load(...,
+weights_only=True)`` (tensors and plain Python values only; our checkpoints hold nothing
+else). A file that needs arbitrary unpickling is refused with ``CheckpointError`` saying
+so; ``trust_file=True`` (never the default) loads it. A file cut short or not a checkpoint
+is named in a ``CheckpointError``. Checkpoints carry ``format_version``
+(``FORMAT_VERSION``); one written by a newer mode-moe is refused naming both versions.
+Flipped bytes are caught too: a ``ckpt.pt`` keeps a CRC-32 of its tensors and values
+(``digest``), a DCP directory the size and CRC-32 of every file (``checksums.json``), both
+checked before anything is loaded; ``load_newest_good`` falls back to the newest older
+checkpoint that passes (``train.keep_checkpoints``).
+
 Both are atomic: written under a temporary name, flushed to disk (fsync), then renamed over
 the last good checkpoint, so a crash mid-save leaves that one in place. Progress is the
 step, the elapsed training time (the ``max_seconds`` budget's clock), and the torch and data
@@ -24,8 +35,11 @@ buffers.
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import shutil
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,6 +52,106 @@ from torch.distributed.tensor import DTensor, Shard
 from mode.config import Config, from_dict, to_dict
 from mode.parallel.expert_parallel import expert_parameters
 from mode.parallel.mesh import ParallelContext
+
+# Version of the checkpoint layout this code writes; it reads this one and older ones (0: the
+# files written before the version was recorded, the same layout).
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be loaded safely: not a checkpoint, cut short, written
+    by a newer mode-moe, or holding objects whose unpickling could run code."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a lost mount); the last good one is
+    left as it was."""
+
+
+def read_file(path: str | Path, trust_file: bool = False, mmap: bool = False) -> dict:
+    """The object saved in one checkpoint file (``ckpt.pt`` or a DCP directory's
+    ``extra.pt``), read without running code from it unless ``trust_file``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=not trust_file, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain Python values ({reason}); loading it "
+            "could run code stored in the file, so it was not loaded. If you trust where the file "
+            "came from, pass trust_file=True"
+        ) from e
+    except Exception as e:  # noqa: BLE001  (zip reader, unpickler: each fails its own way on a bad file)
+        size = path.stat().st_size
+        raise CheckpointError(
+            f"{path} ({size} bytes) is not a readable checkpoint: cut short or corrupted? ({e})"
+        ) from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a mode-moe checkpoint")
+    version = state.get("format_version", 0)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format version {version!r}; this mode-moe reads versions up to "
+            f"{FORMAT_VERSION}: upgrade mode-moe to load it"
+        )
+    if "digest" in state and not mmap:
+        expected = state.pop("digest")
+        if _digest(state) != expected:
+            raise CheckpointError(f"{path} fails its checksum: its bytes changed after it was written (corrupted)")
+    return state
+
+
+def _digest(obj: object, crc: int = 0) -> int:
+    """CRC-32 of every tensor's bytes and every other value's repr in ``obj`` (nested dicts,
+    lists, tuples), in order."""
+    if isinstance(obj, torch.Tensor):
+        crc = zlib.crc32(repr((obj.dtype, tuple(obj.shape))).encode(), crc)
+        flat = obj.detach().cpu().contiguous().reshape(-1)
+        return zlib.crc32(flat.view(torch.uint8).numpy().data, crc)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            crc = _digest(v, zlib.crc32(repr(k).encode(), crc))
+        return crc
+    if isinstance(obj, list | tuple):
+        for v in obj:
+            crc = _digest(v, crc)
+        return crc
+    return zlib.crc32(repr(obj).encode(), crc)
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _write_checksums(directory: Path) -> None:
+    """``checksums.json``: size and CRC-32 of every file of a DCP checkpoint directory."""
+    sums = {f.name: {"bytes": f.stat().st_size, "crc32": _file_crc(f)} for f in sorted(directory.iterdir())}
+    (directory / "checksums.json").write_text(json.dumps(sums, indent=1))
+
+
+def verify_directory(directory: str | Path) -> None:
+    """``CheckpointError`` naming the first file of a DCP checkpoint directory whose size or
+    CRC-32 differs from ``checksums.json`` (or that is missing); directories written before
+    checksums were recorded pass."""
+    directory = Path(directory)
+    listing = directory / "checksums.json"
+    if not listing.exists():
+        return
+    for name, want in json.loads(listing.read_text()).items():
+        f = directory / name
+        if not f.is_file():
+            raise CheckpointError(f"{directory}: {name} is missing")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{f} has {size} bytes, {want['bytes']} when written: cut short or corrupted")
+        if _file_crc(f) != want["crc32"]:
+            raise CheckpointError(f"{f} fails its checksum: its bytes changed after it was written (corrupted)")
 
 
 class Progress(NamedTuple):
@@ -63,6 +177,7 @@ def save(
     are kept."""
     progress = progress or Progress(0)
     extra = {
+        "format_version": FORMAT_VERSION,
         "step": progress.step,
         "elapsed": progress.elapsed,
         "rng": torch.get_rng_state(),
@@ -76,11 +191,21 @@ def save(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer else None, **extra}
+    state["digest"] = _digest(state)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch's writer reports a failed write as RuntimeError
+        tmp.unlink(missing_ok=True)
+        good = f"the last good checkpoint, {path}, is intact" if path.exists() else "no earlier checkpoint exists"
+        free = shutil.disk_usage(path.parent).free
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointWriteError(
+            f"could not write the checkpoint {path}: {reason} ({free} bytes free on its filesystem); {good}"
+        ) from e
     if keep > 1 and path.exists():
         os.link(path, _history_name(path))  # the old file stays reachable under its step
     os.replace(tmp, path)
@@ -94,18 +219,21 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     data_rng: torch.Generator | None = None,
     ctx: ParallelContext | None = None,
+    trust_file: bool = False,
 ) -> Progress:
     """Restore model (and optimizer, RNG states) from either kind; returns the progress.
 
     A DCP directory loads on any ``dp`` x ``ep`` layout, and into a single process (``ctx``
     None), model and optimizer; the optimizer must be an AdamW over ``model``'s parameters.
+    Files are read without running code from them (``read_file``; ``trust_file``).
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     if path.is_dir():
-        return _restore(load_sharded(path, model, ctx, optimizer), data_rng)
-    state = torch.load(path, map_location="cpu", weights_only=False)
+        verify_directory(path)
+        return _restore(load_sharded(path, model, ctx, optimizer, trust_file), data_rng)
+    state = read_file(path, trust_file)
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -117,15 +245,16 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     data_rng: torch.Generator | None = None,
+    trust_file: bool = False,
 ) -> int:
     """``load`` in this process; returns the step to continue from."""
-    return load(path, model, optimizer, data_rng).step
+    return load(path, model, optimizer, data_rng, trust_file=trust_file).step
 
 
-def checkpoint_config(path: str | Path) -> Config:
+def checkpoint_config(path: str | Path, trust_file: bool = False) -> Config:
     """The config a checkpoint was trained with (a ``ckpt.pt`` file or a ``ckpt/`` directory)."""
     path = Path(path)
-    state = _progress_state(path)
+    state = _progress_state(path, trust_file)
     if "config" not in state:
         raise ValueError(f"{path} holds no training config (it was not written by mode.train)")
     return from_dict(state["config"])
@@ -228,6 +357,7 @@ def save_sharded(
         torch.save(extra, tmp / "extra.pt")
     _barrier()
     if rank == 0:
+        _write_checksums(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -246,14 +376,47 @@ def save_sharded(
 
 
 def load_sharded(
-    path: str | Path, model: nn.Module, ctx: ParallelContext | None, optimizer: torch.optim.Optimizer | None = None
+    path: str | Path,
+    model: nn.Module,
+    ctx: ParallelContext | None,
+    optimizer: torch.optim.Optimizer | None = None,
+    trust_file: bool = False,
 ) -> dict:
     """Load a checkpoint saved by ``save_sharded`` into ``model`` (and ``optimizer``) on any
-    dp x ep layout, in place; returns ``extra``."""
+    dp x ep layout, in place; returns ``extra`` (read with ``read_file``)."""
     path = Path(path)
-    dcp.load(_dcp_state(model, optimizer, ctx), checkpoint_id=str(path))
     extra = path / "extra.pt"
-    return torch.load(extra, weights_only=False) if extra.exists() else {}
+    state = read_file(extra, trust_file) if extra.exists() else {}
+    dcp.load(_dcp_state(model, optimizer, ctx), checkpoint_id=str(path))
+    return state
+
+
+def load_newest_good(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    data_rng: torch.Generator | None = None,
+    ctx: ParallelContext | None = None,
+    warn=print,
+) -> tuple[Path, Progress] | None:
+    """Load the newest checkpoint at ``path`` that passes its checks (``latest``, then the
+    older ones ``keep`` > 1 left beside it, newest first), saying through ``warn`` which
+    were skipped and why; None when there is none. ``CheckpointError`` when every one fails."""
+    candidates = []
+    first = latest(path)
+    if first is not None:
+        candidates.append(first)
+    candidates += [p for p in reversed(_history(Path(path))) if p not in candidates]
+    errors = []
+    for candidate in candidates:
+        try:
+            return candidate, load(candidate, model, optimizer, data_rng, ctx)
+        except CheckpointError as e:
+            errors.append(str(e))
+            warn(f"checkpoint {candidate} skipped: {e}")
+    if errors:
+        raise CheckpointError("no checkpoint at " + str(path) + " passes its checks: " + "; ".join(errors))
+    return None
 
 
 def _barrier() -> None:
@@ -275,11 +438,11 @@ def latest(path: str | Path) -> Path | None:
     return history[-1] if history else None
 
 
-def _progress_state(path: Path) -> dict:
+def _progress_state(path: Path, trust_file: bool = False) -> dict:
     """The step, progress and config a checkpoint of either kind keeps (a ``ckpt.pt``'s whole
     state, memory-mapped so that its tensors are not read; a directory's ``extra.pt``)."""
     file = path / "extra.pt" if path.is_dir() else path
-    return torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+    return read_file(file, trust_file, mmap=True)
 
 
 def _history_name(path: Path) -> Path:

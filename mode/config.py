@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -108,6 +109,7 @@ class MoEConfig:
     lb_scope: str = "micro_batch"  # micro_batch | sequence | global_batch (mode.routing.losses)
     z_coef: float = 0.001
     bias_rate: float = 0.0
+    token_moves: str = "auto"  # auto | embedding_bag | index (mode.experts.permute)
 
     def __post_init__(self) -> None:
         check_moe_args(**vars(self), prefix="model.moe.")
@@ -299,10 +301,14 @@ class TrainConfig:
 class ParallelConfig:
     dp_size: int = 1
     ep_size: int = 1
+    # A collective that waits longer than this (a rank died or hangs) fails on every other
+    # rank, naming the timeout, instead of waiting torch's default 10-30 minutes.
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         check_positive("parallel.dp_size", self.dp_size)
         check_positive("parallel.ep_size", self.ep_size)
+        check_positive("parallel.timeout_s", self.timeout_s)
 
 
 @dataclass
@@ -345,7 +351,12 @@ def _preset_layers(preset: str | Path, seen: tuple[str, ...] = ()) -> list:
     name, text = _resolve(preset)
     if name in seen:
         raise ValueError(f"base: presets form a cycle through {name}")
-    node = OmegaConf.create(text)
+    try:
+        # NOTE: omegaconf reads YAML with a safe loader: tags that would build Python objects
+        # (``!!python/object/apply:...``) are refused, not run.
+        node = OmegaConf.create(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"config {name} is not plain YAML: {str(e).splitlines()[0]}") from e
     base = node.pop("base", None)
     return ([*_preset_layers(base, (*seen, name))] if base else []) + [node]
 

@@ -86,12 +86,17 @@ def load_tokens(source: str, cache_dir: str | Path = "data") -> tuple[np.ndarray
         raise FileNotFoundError(f"data.source={source!r}: no such file (or use 'shakespeare')")
     if path.stat().st_size == 0:
         raise ValueError(f"data.source={source!r} is empty: give a file with text or tokens")
-    if path.suffix == ".bin":
-        tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    elif path.suffix == ".u32":
-        tokens = np.memmap(path, dtype=np.uint32, mode="r")
-    else:
+    dtype = {".bin": np.uint16, ".u32": np.uint32}.get(path.suffix)
+    if dtype is None:
         return np.memmap(path, dtype=np.uint8, mode="r"), 256
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise ValueError(
+            f"data.source={source!r} has {size} bytes, not a whole number of {np.dtype(dtype).name} tokens "
+            f"(the {path.suffix} suffix means {itemsize}-byte ids): a file cut short, or the wrong suffix "
+            "(.bin uint16, .u32 uint32, anything else bytes)"
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r")
     return tokens, int(tokens.max()) + 1 if len(tokens) else 1
 
 

@@ -110,7 +110,7 @@ def _init_parallel(cfg: Config) -> ParallelContext | None:
     if world == 1 and p.dp_size * p.ep_size == 1:
         return None
     has_moe = any(BLOCK_KINDS[k].holds_experts for k in cfg.model.block_kinds())
-    ctx = init_mesh(p.dp_size, p.ep_size, cfg.model.moe.n_experts if has_moe else None)
+    ctx = init_mesh(p.dp_size, p.ep_size, cfg.model.moe.n_experts if has_moe else None, timeout_s=p.timeout_s)
     if cfg.train.batch_size % ctx.world_size:
         raise ValueError(
             f"train.batch_size={cfg.train.batch_size} (the global batch) must be divisible by the world size "
@@ -184,8 +184,11 @@ def train(
     gen = torch.Generator().manual_seed(tc.seed)
     start, elapsed = 0, 0.0
     if resume_from is not None:
-        # The time budget continues too: the schedule and the max_seconds stop use it.
-        start, elapsed = checkpoint.load(resume_from, model, opt, gen, ctx)
+        # The newest checkpoint that passes its checks (older ones kept by keep_checkpoints
+        # are the fallback). The time budget continues too: the schedule and the max_seconds
+        # stop use it.
+        warn = tqdm.write if rank == 0 else (lambda message: None)
+        _, (start, elapsed) = checkpoint.load_newest_good(ckpt, model, opt, gen, ctx, warn=warn)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))

@@ -254,3 +254,20 @@ def test_profile_step_tiny_names_the_host_reads(tmp_path):
         # the device: tests/test_step_ops.py counts the step's own (none).
         sites = {" ".join(s["stack"]): s["per_step"] for s in r["sync_sites"]}
         assert sites and all("mode/" in k and v > 0 for k, v in sites.items()), sites
+
+
+def test_gpu_verdicts_reads_the_runs_and_never_calls_a_missing_one_met(tmp_path):
+    def train_run(modes_ms: dict) -> dict:
+        rows = [{"preset": p, "mode": "bf16_eager", "ms": ms} for p, ms in modes_ms.items()]
+        return {"args": {"layers": 2, "d_model": 64, "modes": ["bf16_eager"]}, "rows": rows}
+
+    (tmp_path / "train-a.json").write_text(json.dumps(train_run({"dense": 10.0, "nanogpt": 10.0, "mod": 8.0})))
+    (tmp_path / "train-b.json").write_text(json.dumps(train_run({"dense": 10.0, "nanogpt": 9.0, "dense_norope": 9.0})))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_verdicts.py"), str(tmp_path)], check=True)
+    rows = json.loads((tmp_path / "verdicts.json").read_text())
+    got = {(r["target"], r["where"].split(":")[0]): r["verdict"] for r in rows}
+    assert got[("dense/nanogpt", "train-a")] == "met"  # 1.00 <= 1.05
+    assert got[("mod/dense", "train-a")] == "MISSED"  # 0.80 > 0.65
+    assert got[("dense/nanogpt", "train-b")] == "MISSED"  # 1.11 > 1.05
+    assert got[("RoPE share of the dense step", "train-b")] == "MISSED"  # 10% > 5%
+    assert ("mod/dense", "train-b") not in got  # no mod in that run: not reported as met

@@ -11,9 +11,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from mode.compile import compile_block, compile_blocks
-from mode.routed import aux_loss
 from mode.config import load_config
 from mode.model import MoDETransformer
+from mode.routed import aux_loss
 from mode.step import build_optimizer, train_step
 from mode.train import train
 from tests.tiny import TINY_MODEL

@@ -3,6 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mode
 from mode.experts.chunked import chunked_experts
 from mode.experts.grouped_gemm import CHUNKED_MIN_BYTES, get_backend, gmm_loop, gmm_torch, resolve_name
 from mode.experts.moe import CapacityMoE, DroplessMoE, ExpertChoiceMoE
@@ -427,3 +428,32 @@ def test_bad_layer_arguments(kwargs, field):
     args = {"top_k": 2, **kwargs}
     with pytest.raises(ValueError, match=field):
         CapacityMoE(D, F_, E, **args)
+
+
+@pytest.mark.parametrize("n_noop", [0, 3], ids=["plain", "noop"])
+def test_token_moves_index_equals_embedding_bag(n_noop):
+    """The two ways of moving token rows (``model.moe.token_moves``) give the same layer:
+    outputs and the gradients of the input, the router and the experts."""
+    torch.manual_seed(0)
+    layers = {
+        m: DroplessMoE(24, 32, 4, 2, backend="torch", n_noop=n_noop, token_moves=m) for m in ("embedding_bag", "index")
+    }
+    with torch.no_grad():  # weights far from zero, so the gradients are far above the tolerance
+        for p in layers["embedding_bag"].experts.parameters():
+            p.mul_(10)
+    layers["index"].load_state_dict(layers["embedding_bag"].state_dict())
+    x = torch.randn(2, 16, 24)
+    grads = {}
+    for name, layer in layers.items():
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        (out.square().sum() + mode.aux_loss(layer)).backward()
+        grads[name] = (out.detach(), xi.grad, *(p.grad for p in layer.parameters()))
+    assert grads["index"][1].abs().max() > 1e-3  # a gradient far above the tolerance
+    for a, b in zip(grads["index"], grads["embedding_bag"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_token_moves_is_checked():
+    with pytest.raises(ValueError, match="token_moves"):
+        DroplessMoE(24, 32, 4, 2, token_moves="scatter")

@@ -88,7 +88,18 @@ CASES = [
     ("data-empty-file", lambda t: load_splits(data_file(t, 0), 32), ValueError, "is empty"),
     ("data-too-short", lambda t: load_splits(data_file(t, 40), 32), ValueError, "too short for model.seq_len=32"),
     ("data-missing", lambda t: load_splits(str(t / "nope.txt"), 32), FileNotFoundError, "no such file"),
+    ("data-odd-length-u16", lambda t: load_splits(token_file(t, b"\x01" * 301, ".bin"), 32), ValueError, "301 bytes"),
+    ("data-odd-length-u32", lambda t: load_splits(token_file(t, b"\x01" * 402, ".u32"), 32), ValueError, "uint32"),
+    ("config-train-compile", lambda t: load_config(None, ["train.compile=maybe"]), ValueError, "train.compile"),
+    ("config-fused-optimizer", lambda t: load_config(None, ["train.fused_optimizer=fast"]), ValueError, "fused"),
+    ("config-device", lambda t: load_config(None, ["train.device=gpu0"]), ValueError, "train.device"),
 ]
+
+
+def token_file(tmp_path, data: bytes, suffix: str) -> str:
+    path = tmp_path / f"tokens{suffix}"
+    path.write_bytes(data)
+    return str(path)
 
 
 @pytest.mark.parametrize("build,error,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

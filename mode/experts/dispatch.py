@@ -24,9 +24,15 @@ class Dispatcher:
         raise NotImplementedError
 
     def token_choice(
-        self, x: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor, experts: ExpertMLP
+        self,
+        x: torch.Tensor,
+        dispatch: Dispatch,
+        weights: torch.Tensor,
+        experts: ExpertMLP,
+        moves: str = "embedding_bag",
     ) -> torch.Tensor:
-        return combine(self(permute(x, dispatch), dispatch.counts, experts), dispatch, weights)
+        y = self(permute(x, dispatch, moves), dispatch.counts, experts)
+        return combine(y, dispatch, weights, moves)
 
 
 class LocalDispatcher(Dispatcher):
@@ -36,13 +42,18 @@ class LocalDispatcher(Dispatcher):
         return experts.forward_sorted(x_sorted, counts)
 
     def token_choice(
-        self, x: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor, experts: ExpertMLP
+        self,
+        x: torch.Tensor,
+        dispatch: Dispatch,
+        weights: torch.Tensor,
+        experts: ExpertMLP,
+        moves: str = "embedding_bag",
     ) -> torch.Tensor:
         if experts.uses_scattered(x, dispatch.token_idx.numel()):
             w = sorted_weights(weights, dispatch)
             top_k = weights.shape[1]
             return experts.forward_scattered(x, dispatch.counts, dispatch.token_idx, w, dispatch.order, top_k)
-        return super().token_choice(x, dispatch, weights, experts)
+        return super().token_choice(x, dispatch, weights, experts, moves)
 
     def __repr__(self) -> str:
         return "LocalDispatcher()"

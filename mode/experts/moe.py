@@ -24,7 +24,15 @@ from mode.checks import check_choice, check_hidden, check_int, check_positive, c
 from mode.experts.dispatch import Dispatcher, LocalDispatcher
 from mode.experts.grouped_gemm import BACKEND_NAMES
 from mode.experts.mlp import MLP_KINDS, ExpertMLP, MlpKind, mlp_flops
-from mode.experts.permute import computed, padded_combine, padded_dispatch, sort_by_expert, unpermute
+from mode.experts.permute import (
+    TOKEN_MOVES,
+    TokenMoves,
+    computed,
+    padded_combine,
+    padded_dispatch,
+    sort_by_expert,
+    unpermute,
+)
 from mode.routed import Routed, Router, measuring, recomputing
 from mode.routing.losses import (
     LB_SCOPES,
@@ -70,6 +78,7 @@ def check_moe_args(
     lb_scope: str = "micro_batch",
     z_coef: float = 0.001,
     bias_rate: float = 0.0,
+    token_moves: str = "auto",
     prefix: str = "",
     **_: object,
 ) -> None:
@@ -91,6 +100,7 @@ def check_moe_args(
     check_choice(prefix + "lb_scope", lb_scope, LB_SCOPES)
     check_positive(prefix + "z_coef", z_coef, allow_zero=True)
     check_positive(prefix + "bias_rate", bias_rate, allow_zero=True)
+    check_choice(prefix + "token_moves", token_moves, TOKEN_MOVES)
 
 
 def moe_flops(
@@ -133,6 +143,8 @@ class MoELayer(Routed):
             ``balance_group``, set by ``mode.parallel.expert_parallel.set_balance_group``;
             the micro-batch in a single process).
         bias_rate: aux-loss-free balancing rate (per-expert selection bias, fp32 buffer).
+        token_moves: "auto", "embedding_bag" or "index": how the dropless path moves token
+            rows around its grouped GEMMs (``mode.experts.permute``).
     """
 
     def __init__(
@@ -154,6 +166,7 @@ class MoELayer(Routed):
         lb_scope: LbScope = "micro_batch",
         z_coef: float = 0.001,
         bias_rate: float = 0.0,
+        token_moves: TokenMoves = "auto",
     ) -> None:
         super().__init__()
         check_moe_args(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
@@ -161,6 +174,7 @@ class MoELayer(Routed):
         self.renormalize, self.jitter = renormalize, jitter
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.lb_coef, self.lb_scope, self.z_coef, self.bias_rate = lb_coef, lb_scope, z_coef, bias_rate
+        self.token_moves = token_moves
         self.router = Router(d_model, n_experts + n_noop)
         self.experts = ExpertMLP(n_experts, d_model, d_ff, mlp, backend)
         real_share = 1.0 - (noop_share if n_noop else 0.0)
@@ -274,7 +288,7 @@ class DroplessMoE(MoELayer):
         if measuring():
             self.metrics["dispatched"] = computed(dispatch)
             self.metrics["drop_fraction"] = 0.0
-        return self.dispatcher.token_choice(x2, dispatch, choice.weights, self.experts)
+        return self.dispatcher.token_choice(x2, dispatch, choice.weights, self.experts, self.token_moves)
 
 
 class CapacityMoE(MoELayer):

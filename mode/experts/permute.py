@@ -15,12 +15,25 @@ so no ``[N, K, D]`` temporary, zero-filled output or atomic scatter is needed:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
 
 from mode.routing.counting import count_ids
+
+# How token rows move around the expert GEMMs: "embedding_bag" (the fused gather-sums below:
+# no [N*K, D] temporary in the combine) or "index" (``index_select`` + a batched [1, K] x
+# [K, D] combine and autograd's ``index_add`` backward, torchtitan's layout: one gathered
+# [N*K, D] copy). "auto" is embedding_bag, measured on the CPU; ``bench_moe.py`` times both
+# on a GPU, where the choice is still to be measured.
+TokenMoves = Literal["auto", "embedding_bag", "index"]
+TOKEN_MOVES: tuple[str, ...] = get_args(TokenMoves)
+
+
+def resolve_token_moves(name: str) -> str:
+    """The concrete token moves for ``name`` ("auto" -> "embedding_bag")."""
+    return "embedding_bag" if name == "auto" else name
 
 
 class Dispatch(NamedTuple):
@@ -141,9 +154,13 @@ class _Permute(torch.autograd.Function):
         return gather_sum(grad.contiguous(), ctx.dispatch), None
 
 
-def permute(x: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
+def permute(x: torch.Tensor, dispatch: Dispatch, moves: str = "embedding_bag") -> torch.Tensor:
     """x: [N, D] -> [R, D], the token rows in expert order; the backward sums into each token
-    the gradients of its computed rows only (rows past ``counts.sum()`` carry none back)."""
+    the gradients of its computed rows only (rows past ``counts.sum()`` carry none back).
+    ``moves="index"``: a plain ``index_select`` (backward: ``index_add``) where no row is
+    left uncomputed (``dispatch.pad`` is None)."""
+    if resolve_token_moves(moves) == "index" and dispatch.pad is None:
+        return x.index_select(0, dispatch.token_idx)
     return _Permute.apply(x, dispatch)
 
 
@@ -196,13 +213,19 @@ class _Combine(torch.autograd.Function):
         return grad_y, grad_w, None, None
 
 
-def combine(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
+def combine(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor, moves: str = "embedding_bag") -> torch.Tensor:
     """Token-choice combine: y [M, D] in expert order, weights [N, K] -> [N, D].
 
     Equals ``unpermute(y, dispatch.token_idx, sorted_weights(weights, dispatch), N)``;
-    assignments not in the dispatch (dropped, no-op) contribute zero.
+    assignments not in the dispatch (dropped, no-op) contribute zero. ``moves="index"``:
+    each token's K rows gathered ([N, K, D]) and weighted with one batched matmul.
     """
     N, K = weights.shape
+    if resolve_token_moves(moves) == "index" and dispatch.bags.numel() == N * K:
+        rows = y.index_select(0, dispatch.bags).view(N, K, y.shape[-1])
+        if dispatch.pad is not None:  # the scratch row holds no output: zero, whatever it holds
+            rows = torch.where((dispatch.bags != dispatch.pad).view(N, K, 1), rows, 0)
+        return torch.bmm(weights.to(y.dtype).unsqueeze(1), rows).squeeze(1)
     # NOTE: no shortcut when nothing was dispatched (M = 0): the output must stay connected to
     # y, whose backward is an all-to-all under expert parallelism that every rank must join
     # (a rank returning detached zeros would skip it while the others wait: a hang).

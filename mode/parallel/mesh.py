@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -59,9 +60,16 @@ def check_sizes(world_size: int, dp: int, ep: int, n_experts: int | None = None)
         raise ValueError(f"model.moe.n_experts={n_experts} is not divisible by parallel.ep_size={ep}")
 
 
-def init_mesh(dp: int = 1, ep: int = 1, n_experts: int | None = None, backend: str | None = None) -> ParallelContext:
+def init_mesh(
+    dp: int = 1,
+    ep: int = 1,
+    n_experts: int | None = None,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+) -> ParallelContext:
     """Initialise the default process group from the torchrun environment (if needed) and
-    return the ("dp", "ep") mesh. Raises ``ValueError`` for a world size that is not dp * ep."""
+    return the ("dp", "ep") mesh. Raises ``ValueError`` for a world size that is not dp * ep.
+    ``timeout_s``: how long a collective waits for the other ranks (torch's default when None)."""
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_sizes(world, dp, ep, n_experts)
@@ -69,12 +77,44 @@ def init_mesh(dp: int = 1, ep: int = 1, n_experts: int | None = None, backend: s
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+        store = _restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     check_sizes(dist.get_world_size(), dp, ep, n_experts)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
     world_mesh = init_device_mesh(device_type, (dp * ep,), mesh_dim_names=("world",))
     return ParallelContext(mesh, dp, ep, world_mesh)
+
+
+def _restart_store(timeout: timedelta | None) -> dist.Store | None:
+    """Under ``torchrun``: its store, with the keys of this restart attempt under a prefix of
+    their own; None elsewhere (``env://`` as usual).
+
+    NOTE: torch's ``env://`` rendezvous assumes the agent makes a new store for every restart
+    and adds no prefix, but after ``torchrun --standalone --max-restarts`` restarts a killed
+    worker's group, gloo reads the previous attempt's peer addresses and fails with
+    "Connection refused" (torch 2.13; pytorch/pytorch#167288 for NCCL). One prefix per attempt
+    (``TORCHELASTIC_RESTART_COUNT``) keeps the attempts apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_hosts and rank == 0,
+        timeout=timeout or timedelta(minutes=30),
+        multi_tenant=not agent_hosts,
+    )
+    return dist.PrefixStore(f"mode/attempt_{attempt}", store)
 
 
 def destroy() -> None:
