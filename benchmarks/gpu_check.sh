@@ -82,7 +82,8 @@ step bench-blocks "${LIMITS[3]}" "$PY" benchmarks/bench_blocks.py --dtype bfloat
 step bench-train "${LIMITS[4]}" "$PY" benchmarks/bench_train.py $TRAIN_ARGS --label d1024
 step bench-train-gpt2 "${LIMITS[5]}" "$PY" benchmarks/bench_train.py $GPT2_ARGS --label gpt2-small
 step profile "${LIMITS[6]}" "$PY" benchmarks/profile_step.py $PROFILE_ARGS
-"$PY" benchmarks/gpu_verdicts.py "$OUT" | tee "$OUT/verdicts.txt"
+"$PY" benchmarks/gpu_verdicts.py "$OUT" >"$OUT/verdicts.txt" 2>&1 || status=1
+cat "$OUT/verdicts.txt"
 echo "results in $OUT:"
 ls "$OUT"
 exit $status

@@ -71,6 +71,8 @@ def profile_rows(folder: Path) -> list[dict]:
     for name, run in _load(folder, "profile*.json"):
         by = {r["preset"]: r for r in run["results"]}
         for preset, r in by.items():
+            if r["device_busy_ms"] is None:
+                continue  # a CPU run: no device to wait for
             syncs = sum(v for k, v in r["syncs_per_step"].items() if k.startswith("cuda"))
             rows.append(_row("device syncs per step", f"{name}: {preset}", syncs, SYNCS))
             rows.append(_row("device busy share", f"{name}: {preset}", r["device_busy_share"], BUSY_SHARE, False))
@@ -102,7 +104,7 @@ def layer_rows(folder: Path) -> list[dict]:
         for r in run["rows"]:
             if r["op"].startswith("mod "):
                 rows.append(
-                    _row(f"{r['op']} [{r['path']}] share of copy bw", name, r["of copy bw"], COPY_BANDWIDTH, False)
+                    _row(f"{r['op']} [{r['path']}] share of copy bw", name, r.get("of copy bw"), COPY_BANDWIDTH, False)
                 )
     return rows
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mode.config import load_config  # noqa: E402
 from mode.model import MoDETransformer  # noqa: E402
 from mode.opcount import OpCounter  # noqa: E402
+from mode.precision import autocast  # noqa: E402
 from mode.step import build_optimizer, train_step  # noqa: E402
 
 PRESETS = ["dense", "mod", "mod_random", "moe", "moe_capacity", "mode_staged", "mode_integrated", "early_exit"]
@@ -73,7 +74,8 @@ def count_step(
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
 
         def step() -> None:
-            _, loss = model(x, y)
+            with autocast(precision, x.device):
+                _, loss = model(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
