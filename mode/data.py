@@ -97,7 +97,21 @@ def load_tokens(source: str, cache_dir: str | Path = "data") -> tuple[np.ndarray
             "(.bin uint16, .u32 uint32, anything else bytes)"
         )
     tokens = np.memmap(path, dtype=dtype, mode="r")
+    if dtype == np.uint16 and _looks_like_uint32(tokens):
+        raise ValueError(
+            f"data.source={source!r} reads as uint16 ids (.bin) whose every second value is 0: it holds "
+            "uint32 ids (little-endian); rename it to .u32"
+        )
     return tokens, int(tokens.max()) + 1 if len(tokens) else 1
+
+
+def _looks_like_uint32(ids: np.ndarray, sample: int = 1 << 20) -> bool:
+    """Whether uint16 ``ids`` are uint32 ids read two halves at a time: in the first ``sample``
+    values (a bounded read), every high half is 0 and some low half is not."""
+    head = np.asarray(ids[: sample - sample % 2])
+    if len(head) < 64:
+        return False
+    return not head[1::2].any() and bool(head[0::2].any())
 
 
 class TokenSplit:

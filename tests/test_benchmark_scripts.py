@@ -271,3 +271,14 @@ def test_gpu_verdicts_reads_the_runs_and_never_calls_a_missing_one_met(tmp_path)
     assert got[("dense/nanogpt", "train-b")] == "MISSED"  # 1.11 > 1.05
     assert got[("RoPE share of the dense step", "train-b")] == "MISSED"  # 10% > 5%
     assert ("mod/dense", "train-b") not in got  # no mod in that run: not reported as met
+
+
+def test_soak_tiny(tmp_path):
+    payload = run_script("soak.py", ["--steps", "3", "--log-every", "1", "--presets", "mod", "moe"], tmp_path)[
+        "soak.json"
+    ]
+    rows = {r["preset"]: r for r in payload["results"]}
+    assert set(rows) == {"mod", "moe"}
+    for r in rows.values():
+        assert r["steps"] == 3 and r["all_finite"] and r["skipped"] == 0
+    assert any(k.endswith("load_max") for k in rows["moe"]["health_last"])

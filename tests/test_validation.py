@@ -1,6 +1,7 @@
 """Every bad input at a public entry point gets one ValueError/TypeError naming the argument,
 the bad value and the fix, raised before any computation. One row per case."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,6 +91,12 @@ CASES = [
     ("data-missing", lambda t: load_splits(str(t / "nope.txt"), 32), FileNotFoundError, "no such file"),
     ("data-odd-length-u16", lambda t: load_splits(token_file(t, b"\x01" * 301, ".bin"), 32), ValueError, "301 bytes"),
     ("data-odd-length-u32", lambda t: load_splits(token_file(t, b"\x01" * 402, ".u32"), 32), ValueError, "uint32"),
+    (
+        "data-uint32-named-bin",
+        lambda t: load_splits(token_file(t, np.arange(1, 500, dtype=np.uint32).tobytes(), ".bin"), 32),
+        ValueError,
+        "rename it to .u32",
+    ),
     ("config-train-compile", lambda t: load_config(None, ["train.compile=maybe"]), ValueError, "train.compile"),
     ("config-fused-optimizer", lambda t: load_config(None, ["train.fused_optimizer=fast"]), ValueError, "fused"),
     ("config-device", lambda t: load_config(None, ["train.device=gpu0"]), ValueError, "train.device"),
