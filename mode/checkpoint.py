@@ -77,9 +77,8 @@ def read_file(path: str | Path, trust_file: bool = False, mmap: bool = False) ->
     try:
         state = torch.load(path, map_location="cpu", weights_only=not trust_file, mmap=mmap)
     except pickle.UnpicklingError as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
-            f"{path} holds objects other than tensors and plain Python values ({reason}); loading it "
+            f"{path} holds objects other than tensors and plain Python values ({_first_line(e)}); loading it "
             "could run code stored in the file, so it was not loaded. If you trust where the file "
             "came from, pass trust_file=True"
         ) from e
@@ -101,6 +100,12 @@ def read_file(path: str | Path, trust_file: bool = False, mmap: bool = False) ->
         if _digest(state) != expected:
             raise CheckpointError(f"{path} fails its checksum: its bytes changed after it was written (corrupted)")
     return state
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message (torch's carry C++ context below), or its type."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _digest(obj: object, crc: int = 0) -> int:
@@ -202,9 +207,8 @@ def save(
         tmp.unlink(missing_ok=True)
         good = f"the last good checkpoint, {path}, is intact" if path.exists() else "no earlier checkpoint exists"
         free = shutil.disk_usage(path.parent).free
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointWriteError(
-            f"could not write the checkpoint {path}: {reason} ({free} bytes free on its filesystem); {good}"
+            f"could not write the checkpoint {path}: {_first_line(e)} ({free} bytes free on its filesystem); {good}"
         ) from e
     if keep > 1 and path.exists():
         os.link(path, _history_name(path))  # the old file stays reachable under its step

@@ -7,6 +7,14 @@ import math
 import torch
 
 
+def rope_cos_sin_reference(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [B, T] integer -> cos, sin: [B, 1, T, Dh/2] float32 of each pair's angle
+    ``position * base^(-2i / Dh)`` (GPT-NeoX layout)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, Dh/2]
+    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """q, k, v: [B, H, T, Dh]; allowed: [B, T, T] bool (query i may see key j)."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])

@@ -203,7 +203,8 @@ def test_routing_health_metrics_and_collapse_warnings():
 
 
 def test_rope_backward_is_the_inverse_rotation_of_autograd_through_the_formula():
-    from mode.layers.attention import _Rope, apply_rope, rope_cos_sin, rope_rows, rope_table
+    from mode.layers.attention import _Rope, apply_rope, rope_rows, rope_table
+    from tests.reference import rope_cos_sin_reference as rope_cos_sin
 
     gen = torch.Generator().manual_seed(0)
     positions = torch.randint(0, 500, (2, 7), generator=gen).sort(dim=1).values

@@ -44,10 +44,11 @@ class Dispatch(NamedTuple):
     token_idx: [R] token row each sorted row reads (``order // K``).
     counts:    [E] assignments per expert (grouped-GEMM group sizes); rows past their sum are
                not computed by any expert.
-    bags:      [N*K or M] the assignments in token order, as rows of the expert-ordered buffer:
-               token n's rows are ``bags[bag_offsets[n]:bag_offsets[n + 1]]``.
-    bag_offsets: [N + 1] start of each token's rows in ``bags``.
-    assignment: flattened [N*K] assignment index of each entry of ``bags`` (ascending).
+    bags:      [N*K] every assignment in token order, as its row of the expert-ordered buffer
+               (``pad`` for one no expert computes): token n's rows are
+               ``bags[bag_offsets[n]:bag_offsets[n + 1]]``.
+    bag_offsets: [N + 1] start of each token's rows in ``bags`` (``n * K``).
+    assignment: [N*K] flattened assignment index of each entry of ``bags`` (``arange``).
     pad:       None, or the buffer row that ``bags`` names for assignments that are not
                computed (no-op or dropped): a scratch row past the sorted ones, never read
                (``embedding_bag``'s ``padding_idx``). Sizes then stay N*K + 1 whatever the
@@ -105,7 +106,7 @@ def computed(dispatch: Dispatch) -> torch.Tensor:
 
 
 def bag_tokens(dispatch: Dispatch, k: int) -> torch.Tensor:
-    """[N*K or M] token of each entry of ``dispatch.bags``."""
+    """[N*K] token of each entry of ``dispatch.bags``."""
     return torch.div(dispatch.assignment, k, rounding_mode="floor")
 
 
@@ -221,7 +222,7 @@ def combine(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor, moves: s
     each token's K rows gathered ([N, K, D]) and weighted with one batched matmul.
     """
     N, K = weights.shape
-    if resolve_token_moves(moves) == "index" and dispatch.bags.numel() == N * K:
+    if resolve_token_moves(moves) == "index":
         rows = y.index_select(0, dispatch.bags).view(N, K, y.shape[-1])
         if dispatch.pad is not None:  # the scratch row holds no output: zero, whatever it holds
             rows = torch.where((dispatch.bags != dispatch.pad).view(N, K, 1), rows, 0)
@@ -229,10 +230,8 @@ def combine(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor, moves: s
     # NOTE: no shortcut when nothing was dispatched (M = 0): the output must stay connected to
     # y, whose backward is an all-to-all under expert parallelism that every rank must join
     # (a rank returning detached zeros would skip it while the others wait: a hang).
-    w = weights.reshape(-1)
-    if dispatch.assignment.numel() < N * K:
-        w = w.index_select(0, dispatch.assignment)
-    return _Combine.apply(y, w.to(y.dtype), dispatch, K)
+    # Every dispatch lists all N*K assignments in token order (left-out ones name the scratch row).
+    return _Combine.apply(y, weights.reshape(-1).to(y.dtype), dispatch, K)
 
 
 class _PaddedDispatch(torch.autograd.Function):

@@ -55,15 +55,6 @@ def attention_flops(n: int, d: int, masked: bool = True) -> int:
     return 8 * n * d * d + scores
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [B, T] (or [T]) integer -> cos, sin: [B, 1, T, Dh/2] float32."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, Dh/2]
-    if angles.dim() == 2:
-        angles = angles.unsqueeze(0)
-    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-
-
 def rope_rows(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
     """positions: [...] integer -> [..., 2, Dh] float32 rows ``(C, S)`` with C = (cos, cos) and
     S = (-sin, sin) of each pair's angle, so that RoPE is ``x * C + swap_halves(x) * S``."""
