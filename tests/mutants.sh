@@ -1,7 +1,7 @@
 #!/bin/bash
 # Apply each mutant alone, run the tests named for it, report whether they caught it
 # (bash tests/mutants.sh; restores each file with git checkout, so commit your work first).
-cd /work/main
+cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 m() { # file sed-expr test-selector
   local file=$1 expr=$2 sel=$3
@@ -17,3 +17,10 @@ m mode/experts/moe.py 's/if self.training and self.jitter:/if self.jitter:/' "te
 m mode/experts/moe.py 's/            self._load_sum.zero_()/            pass/' "tests/test_contracts.py::test_aux_loss_free_bias_uses_each_steps_own_load"
 m mode/layers/mod.py 's/rows = causal_decisions(logits\[:, 0\]).nonzero().squeeze(-1)/rows = torch.arange(x.shape[0])/' "tests/test_contracts.py::test_decode_writes_kv_only_for_routed_tokens"
 m mode/parallel/all_to_all.py 's/grad_out.contiguous(), ctx.send_splits, ctx.recv_splits, group/grad_out.contiguous(), ctx.recv_splits, ctx.send_splits, group/' "tests/test_contracts.py::test_all_to_all_backward_takes_the_reverse_route"
+# Reliability II: mutants that the loss curves and ratios hid.
+m mode/layers/checkpointing.py 's/            if runs == 1:/            if True:/' "tests/test_train_step.py::test_recomputed_forwards_record_nothing tests/test_step_across_ranks.py::test_recomputed_forwards_record_nothing_under_expert_parallelism"
+m mode/layers/predictor.py 's/        if recomputing():/        if False:/' "tests/test_train_step.py::test_recomputed_forwards_record_nothing"
+m mode/experts/moe.py 's/if self.training and self.bias_rate and not recomputing():/if self.training and self.bias_rate:/' "tests/test_train_step.py::test_recomputed_forwards_record_nothing"
+m mode/parallel/expert_parallel.py 's/        if recomputing():/        if False:/' "tests/test_step_across_ranks.py::test_recomputed_forwards_record_nothing_under_expert_parallelism"
+m mode/parallel/fsdp.py 's/            g.div_(ctx.ep_size)/            g.div_(1)/' "tests/test_step_across_ranks.py::test_one_step_under_dp_and_ep_applies_the_one_process_gradient"
+m mode/train.py 's/set_balance_group(model, dist.group.WORLD)/set_balance_group(model, None)/' "tests/test_step_across_ranks.py::test_global_batch_balance_loss_is_the_loss_of_the_concatenated_tokens"

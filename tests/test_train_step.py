@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from mode.config import load_config
+from mode.experts.moe import MoELayer
 from mode.layers.checkpointing import checkpoint_blocks
 from mode.layers.predictor import RoutingPredictor
 from mode.model import MoDETransformer
-from mode.step import train_step
+from mode.step import LMObjective, train_step
 from mode.train import train
 from tests.tiny import TINY_MODEL
 
@@ -87,6 +88,48 @@ def test_activation_checkpointing_changes_nothing_but_memory(preset, mode):
     sp, sc = routing_state(plain), routing_state(ckpt)
     for k in sp:
         torch.testing.assert_close(sc[k], sp[k], atol=0, rtol=0, msg=k)
+
+
+def routing_records(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The raw records a step's forwards leave for ``after_optimizer_step`` and the logs: each
+    predictor's pending (sum of k-th scores, count), each MoE layer's accumulated load, each
+    expert-parallel dispatcher's counters. Sums, not ratios: a record made twice shows."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, RoutingPredictor):
+            out[f"{name}.pending"] = m.pending.clone()
+        if isinstance(m, MoELayer) and m.bias_rate:
+            out[f"{name}.load_sum"] = m._load_sum.clone()
+        stats = getattr(getattr(m, "dispatcher", None), "stats", None)
+        if stats:
+            out[f"{name}.dispatch"] = torch.tensor([stats[k] for k in sorted(stats)])
+    return out
+
+
+def forward_backward_records(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Routing records after one forward and backward of ``model`` (no optimizer step)."""
+    torch.manual_seed(1)
+    loss, aux = LMObjective(model)(x, y)
+    (loss + aux).backward()
+    return routing_records(model)
+
+
+@pytest.mark.parametrize("preset", ["mod", "moe", "mode_staged", "mode_integrated"])
+def test_recomputed_forwards_record_nothing(preset):
+    """Mutant: the recompute guard lets the re-run forward record again (its ratios hide it)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randint(0, 256, (4, 32), generator=gen)
+    records = {}
+    for mode in ("none", "full"):
+        torch.manual_seed(0)
+        model = MoDETransformer(load_config(preset, SMALL).model).train()
+        assert checkpoint_blocks(model.blocks, mode) == (2 if mode == "full" else 0)
+        records[mode] = forward_backward_records(model, x, x)
+    assert records["none"], "no routing records: the test would prove nothing"
+    assert all(r.abs().sum() > 0 for r in records["none"].values())
+    assert records["full"].keys() == records["none"].keys()
+    for k, want in records["none"].items():
+        torch.testing.assert_close(records["full"][k], want, atol=0, rtol=0, msg=k)
 
 
 def test_checkpointing_every_n_picks_every_nth_block():
