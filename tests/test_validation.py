@@ -1,12 +1,16 @@
 """Every bad input at a public entry point gets one ValueError/TypeError naming the argument,
 the bad value and the fix, raised before any computation. One row per case."""
 
+import fractions
+
 import numpy as np
 import pytest
 import torch
 
 import mode
 import mode.train
+from mode import checkpoint
+from mode.checkpoint import FORMAT_VERSION, CheckpointError
 from mode.config import load_config
 from mode.data import load_splits
 from mode.model import MoDETransformer
@@ -100,7 +104,48 @@ CASES = [
     ("config-train-compile", lambda t: load_config(None, ["train.compile=maybe"]), ValueError, "train.compile"),
     ("config-fused-optimizer", lambda t: load_config(None, ["train.fused_optimizer=fast"]), ValueError, "fused"),
     ("config-device", lambda t: load_config(None, ["train.device=gpu0"]), ValueError, "train.device"),
+    # Reliability II: untrusted and damaged files, a dying rank's timeout, ids past the vocabulary
+    ("config-timeout", lambda t: load_config(None, ["parallel.timeout_s=0"]), ValueError, "parallel.timeout_s"),
+    ("config-yaml-code", lambda t: load_config(yaml_file(t, "!!python/object/apply:os.getcwd []")), ValueError, "YAML"),
+    ("ckpt-not-a-checkpoint", lambda t: load_ckpt(t, lambda p, m: p.write_text("hi")), CheckpointError, "ckpt.pt"),
+    ("ckpt-cut-short", lambda t: load_ckpt(t, cut_short), CheckpointError, "cut short"),
+    ("ckpt-pickled-object", lambda t: load_ckpt(t, pickled_object), CheckpointError, "trust_file=True"),
+    ("ckpt-newer-format", lambda t: load_ckpt(t, newer_format), CheckpointError, f"version {FORMAT_VERSION + 1}"),
+    ("data-ids-past-vocab", lambda t: train_on(t, np.full(500, 300, np.uint16)), ValueError, "model.vocab_size=256"),
 ]
+
+
+def yaml_file(tmp_path, model_value: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(f"model: {model_value}\n")
+    return str(path)
+
+
+def load_ckpt(tmp_path, spoil) -> None:
+    """Save a tiny model's checkpoint, ``spoil(path, model)`` it, load it back."""
+    path, model = tmp_path / "ckpt.pt", lm()
+    checkpoint.save(path, model, progress=checkpoint.Progress(1))
+    spoil(path, model)
+    checkpoint.load_checkpoint(path, model)
+
+
+def cut_short(path, model) -> None:
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+def pickled_object(path, model) -> None:
+    """An object that only full unpickling can build (the table's stand-in for a payload; the
+    ``os.system`` payload itself is in ``test_checkpoint_safety``)."""
+    torch.save({"model": model.state_dict(), "step": 1, "payload": fractions.Fraction(1, 3)}, path)
+
+
+def newer_format(path, model) -> None:
+    torch.save({"model": model.state_dict(), "step": 1, "format_version": FORMAT_VERSION + 1}, path)
+
+
+def train_on(tmp_path, tokens: np.ndarray) -> None:
+    source = token_file(tmp_path, tokens.tobytes(), ".bin")
+    mode.train.main(["--config", "dense", "data.source=" + source, "model.seq_len=32", f"train.out_dir={tmp_path}"])
 
 
 def token_file(tmp_path, data: bytes, suffix: str) -> str:
