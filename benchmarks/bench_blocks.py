@@ -51,7 +51,7 @@ from mode.config import load_config  # noqa: E402
 from mode.flops import block_flops  # noqa: E402
 from mode.layers.blocks import DenseBlock  # noqa: E402
 from mode.layers.mod import MoDBlock  # noqa: E402
-from mode.routing.expert_choice import capacity_to_k  # noqa: E402
+from mode.routing.mod_topk import capacity_to_k  # noqa: E402
 
 
 class InnerOnly(torch.nn.Module):

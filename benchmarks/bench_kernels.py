@@ -40,7 +40,7 @@ from common import interleaved_median_times, print_table, write_json  # noqa: E4
 from mode.experts.grouped_gemm import get_backend  # noqa: E402
 from mode.experts.permute import combine, permute, sort_by_expert  # noqa: E402
 from mode.kernels import triton_unavailable_reason  # noqa: E402
-from mode.routing.expert_choice import add_gated_tokens, capacity_to_k, take_tokens, token_rows  # noqa: E402
+from mode.routing.mod_topk import add_gated_tokens, capacity_to_k, take_tokens, token_rows  # noqa: E402
 
 NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, vendor figures
 

@@ -33,7 +33,7 @@ from mode.config import load_config  # noqa: E402
 from mode.data import load_splits  # noqa: E402
 from mode.layers.mod import MoDBlock  # noqa: E402
 from mode.model import MoDETransformer  # noqa: E402
-from mode.routing.expert_choice import expert_choice_topk  # noqa: E402
+from mode.routing.mod_topk import expert_choice_topk  # noqa: E402
 from mode.train import evaluate, train  # noqa: E402
 
 

@@ -23,10 +23,10 @@ from omegaconf.errors import OmegaConfBaseException
 from mode.checks import ConfigError, check_choice, check_int, check_positive, check_range, closest, fail
 from mode.experts.moe import check_moe_args, expert_width
 from mode.layers.attention import ATTENTION_BACKENDS
-from mode.layers.checkpointing import ACTIVATION_CHECKPOINTS
 from mode.layers.early_exit import check_early_exit_args
 from mode.layers.kinds import BLOCK_KINDS
 from mode.layers.mod import check_mod_args
+from mode.layers.recompute import ACTIVATION_CHECKPOINTS
 from mode.precision import PRECISIONS
 from mode.routing.token_choice import MOE_ROUTERS
 
@@ -249,7 +249,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 weights) | auto (bf16 where faster): mode.precision
     max_bad_steps: int = 3  # consecutive non-finite steps (skipped) before training stops
     grad_accum_steps: int = 1  # micro-batches per optimizer step (batch_size / world split into them)
-    activation_checkpoint: str = "none"  # none | full | every_n (mode.layers.checkpointing)
+    activation_checkpoint: str = "none"  # none | full | every_n (mode.layers.recompute)
     activation_checkpoint_every: int = 2  # every_n: checkpoint blocks 0, n, 2n, ...
     compile: str = "false"  # true | false | auto (on CUDA): torch.compile each block (mode.compile)
     fused_optimizer: str = "auto"  # auto (fused AdamW where torch has it) | true | false (foreach)

@@ -32,9 +32,9 @@ from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
 from mode.convert import upcycle
 from mode.data import TokenSplit, load_splits
 from mode.flops import print_flops, train_flops_per_step
-from mode.layers.checkpointing import checkpoint_blocks
 from mode.layers.kinds import BLOCK_KINDS
 from mode.layers.mod import MoDBlock
+from mode.layers.recompute import checkpoint_blocks
 from mode.model import MoDETransformer
 from mode.parallel.expert_parallel import parallelize, set_balance_group
 from mode.parallel.fsdp import shard_model

@@ -18,7 +18,7 @@ m mode/experts/moe.py 's/            self._load_sum.zero_()/            pass/' "
 m mode/layers/mod.py 's/rows = causal_decisions(logits\[:, 0\]).nonzero().squeeze(-1)/rows = torch.arange(x.shape[0])/' "tests/test_contracts.py::test_decode_writes_kv_only_for_routed_tokens"
 m mode/parallel/all_to_all.py 's/grad_out.contiguous(), ctx.send_splits, ctx.recv_splits, group/grad_out.contiguous(), ctx.recv_splits, ctx.send_splits, group/' "tests/test_contracts.py::test_all_to_all_backward_takes_the_reverse_route"
 # Reliability II: mutants that the loss curves and ratios hid.
-m mode/layers/checkpointing.py 's/            if runs == 1:/            if True:/' "tests/test_train_step.py::test_recomputed_forwards_record_nothing tests/test_step_across_ranks.py::test_recomputed_forwards_record_nothing_under_expert_parallelism"
+m mode/layers/recompute.py 's/            if runs == 1:/            if True:/' "tests/test_train_step.py::test_recomputed_forwards_record_nothing tests/test_step_across_ranks.py::test_recomputed_forwards_record_nothing_under_expert_parallelism"
 m mode/layers/predictor.py 's/        if recomputing():/        if False:/' "tests/test_train_step.py::test_recomputed_forwards_record_nothing"
 m mode/experts/moe.py 's/if self.training and self.bias_rate and not recomputing():/if self.training and self.bias_rate:/' "tests/test_train_step.py::test_recomputed_forwards_record_nothing"
 m mode/parallel/expert_parallel.py 's/        if recomputing():/        if False:/' "tests/test_step_across_ranks.py::test_recomputed_forwards_record_nothing_under_expert_parallelism"

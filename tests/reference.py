@@ -34,7 +34,7 @@ def topk_reference(scores: torch.Tensor, k: int) -> list[list[int]]:
 def mod_block_reference(block, x: torch.Tensor) -> torch.Tensor:
     """MoDBlock forward, one sequence at a time with Python lists of chosen positions."""
     from mode.layers.mod import GATES
-    from mode.routing.expert_choice import capacity_to_k
+    from mode.routing.mod_topk import capacity_to_k
 
     B, T, D = x.shape
     k = capacity_to_k(block.capacity, T)

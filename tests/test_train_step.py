@@ -8,8 +8,8 @@ import torch
 
 from mode.config import load_config
 from mode.experts.moe import MoELayer
-from mode.layers.checkpointing import checkpoint_blocks
 from mode.layers.predictor import RoutingPredictor
+from mode.layers.recompute import checkpoint_blocks
 from mode.model import MoDETransformer
 from mode.step import LMObjective, train_step
 from mode.train import train

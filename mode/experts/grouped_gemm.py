@@ -24,9 +24,9 @@ belong to no expert: their output is unspecified (``loop`` writes zeros) and nev
   is still needed (tokens that arrive sorted, e.g. under expert parallelism) it uses
   ``torch`` where supported, else ``loop``.
 - ``auto``: on CUDA megablocks when importable, else torch where supported, else triton
-  where importable, else loop (torch before triton: ``torch._grouped_mm`` is the vendor's
-  grouped GEMM and our tiles are untuned; no GPU run has measured them against each other
-  yet, and triton comes before ``loop`` because one launch replaces E matmuls); on
+  where importable, else loop (torch before triton: on an H200 in bf16 ``torch._grouped_mm``
+  ran the scattered expert GEMMs 2.2x faster than our untuned Triton tiles, benchmarks/RESULTS.md
+  "GPU"; triton comes before ``loop`` because one launch replaces E matmuls); on
   other devices ``chunked`` once the [M, D] sorted-token buffer it avoids would reach
   ``CHUNKED_MIN_BYTES``, else torch where supported, else loop (benchmarks/RESULTS.md,
   "auto on CPU").

@@ -11,7 +11,7 @@ token matrix (``rows``: distinct, as top-k per sequence makes them).
   rows bit for bit ``x``. The backward reads the chosen rows of the output gradient once and
   writes both ``grad_update = gate * grad[rows]`` and ``grad_gate = <grad[rows], update>``.
 
-Same contracts as ``mode.routing.expert_choice.take_tokens`` / ``add_gated_tokens`` (the torch
+Same contracts as ``mode.routing.mod_topk.take_tokens`` / ``add_gated_tokens`` (the torch
 path, which the tests compare against).
 """
 

@@ -24,7 +24,7 @@ from mode.experts.moe import MOE_CLASSES, MoELayer, moe_flops
 from mode.layers.attention import attention_flops
 from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoEBlock
 from mode.layers.mod import MoDBlock, RandomMoDBlock, StagedMoDEBlock
-from mode.routing.expert_choice import capacity_to_k
+from mode.routing.mod_topk import capacity_to_k
 
 if TYPE_CHECKING:
     from mode.config import ModelConfig

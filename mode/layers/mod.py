@@ -23,7 +23,7 @@ from mode.layers.predictor import RoutingPredictor
 from mode.routed import Routed, Router, measuring
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
 from mode.routing.counting import count_ids
-from mode.routing.expert_choice import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
+from mode.routing.mod_topk import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
 
 if TYPE_CHECKING:
     from mode.config import RoutingConfig

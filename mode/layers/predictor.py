@@ -18,7 +18,7 @@ from torch import nn
 from mode.checks import check_range
 from mode.layers.kv_cache import PredictorState
 from mode.routed import recomputing
-from mode.routing.expert_choice import capacity_to_k, capacity_to_k_tensor
+from mode.routing.mod_topk import capacity_to_k, capacity_to_k_tensor
 
 
 class RoutingPredictor(nn.Module):

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mode.routing.expert_choice import (
+from mode.routing.mod_topk import (
     add_gated_tokens,
     capacity_to_k,
     capacity_to_k_tensor,
