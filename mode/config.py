@@ -20,20 +20,20 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mode.checks import ConfigError, check_choice, check_int, check_positive, check_range, closest, fail
-from mode.experts.moe import check_moe_args, expert_width
+from mode.checks import ConfigError, check_choice, check_positive, check_range, closest, fail
+from mode.experts.moe import MoEConfig, expert_width
 from mode.layers.attention import ATTENTION_BACKENDS
-from mode.layers.early_exit import check_early_exit_args
-from mode.layers.kinds import BLOCK_KINDS
-from mode.layers.mod import check_mod_args
+from mode.layers.early_exit import EarlyExitConfig, check_early_exit_args
+from mode.layers.kinds import BLOCK_KINDS, any_kind
+from mode.layers.mod import RoutingConfig
 from mode.layers.recompute import ACTIVATION_CHECKPOINTS
 from mode.precision import PRECISIONS
-from mode.routing.token_choice import MOE_ROUTERS
 
 __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "EarlyExitConfig",
     "ModelConfig",
     "MoEConfig",
     "ParallelConfig",
@@ -53,91 +53,6 @@ class UnknownPresetError(FileNotFoundError, ValueError):
 
 # The presets ship inside the package, so they load from a plain (non-editable) install.
 PRESETS = resources.files("mode") / "configs"
-
-
-@dataclass
-class RoutingConfig:
-    """Mixture-of-Depths routing around a block (expert choice over the sequence).
-
-    capacity: share of each sequence's tokens that go through a routed block, k = floor(capacity*T).
-    gate: g(r) in ``x + g(r) * f(x)``; "sigmoid" (default), "identity" (the paper), "none" (g = 1:
-        no router gradient; for ablations and equivalence tests).
-    causal: how a token decides alone at sampling time: "router_bce" trains the router logit
-        toward top-k membership, "predictor" applies the top-k rule to the tokens so far (the
-        detached router score against the k-th largest score of the prefix), corrected by a
-        small MLP on ``x.detach()`` trained by BCE (``mode.layers.predictor``).
-    kernels: who moves the chosen tokens: "auto" (= torch), "torch", or "triton"
-        (``mode.kernels.mod_tokens``; CUDA, or CPU under TRITON_INTERPRET=1).
-    """
-
-    capacity: float = 0.125
-    gate: str = "sigmoid"
-    causal: str = "none"
-    causal_coef: float = 0.01
-    predictor_hidden: int = 64
-    kernels: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_mod_args(**vars(self), prefix="model.mod.")
-
-
-@dataclass
-class MoEConfig:
-    """Experts in the MLP: routing, capacity, losses, backend.
-
-    d_ff: hidden size of each expert; 0 means ``mlp_ratio * d_model // top_k`` so that the
-        active FLOPs per token match the dense MLP.
-    n_noop: no-op experts of the integrated MoDE block (output zero, cost nothing).
-    noop_share: target share of assignments to the no-op experts in the load-balance loss.
-    bias_rate: aux-loss-free balancing (per-expert selection bias) update rate; 0 disables it.
-    """
-
-    n_experts: int = 8
-    top_k: int = 2
-    d_ff: int = 0
-    mlp: str = "gelu"
-    backend: str = "auto"
-    router: str = "token_choice"
-    renormalize: bool = True
-    jitter: float = 0.0
-    capacity_factor: float = 1.25
-    drop_policy: str = "position"
-    shared_expert: bool = False
-    n_noop: int = 0
-    noop_share: float = 0.5
-    lb_coef: float = 0.01
-    lb_scope: str = "micro_batch"  # micro_batch | sequence | global_batch (mode.routing.losses)
-    z_coef: float = 0.001
-    bias_rate: float = 0.0
-    token_moves: str = "auto"  # auto | embedding_bag | index (mode.experts.permute)
-
-    def __post_init__(self) -> None:
-        check_moe_args(**vars(self), prefix="model.moe.")
-        check_int("model.moe.d_ff", self.d_ff)
-        check_positive("model.moe.d_ff", self.d_ff, allow_zero=True)
-        check_choice("model.moe.router", self.router, MOE_ROUTERS)
-        if self.router == "expert_choice" and self.n_noop:
-            fail("model.moe.n_noop", self.n_noop, "expert-choice experts take no no-op experts: use 0")
-
-
-@dataclass
-class EarlyExitConfig:
-    """Per-token early exit (``mode.layers.early_exit``): the depth-saving control for MoD.
-
-    enabled: exit heads after blocks ``min_layer .. n_layers - 1`` (dense layouts only).
-    threshold: a token exits once its exit head's largest next-token probability reaches it
-        (evaluation and sampling; training computes every block and the exit losses).
-    loss_coef: weight of the mean intermediate exit cross-entropy added to the LM loss.
-    min_layer: blocks every token runs before it may exit.
-    """
-
-    enabled: bool = False
-    threshold: float = 0.9
-    loss_coef: float = 1.0
-    min_layer: int = 1
-
-    def __post_init__(self) -> None:
-        check_early_exit_args(self.threshold, self.loss_coef, self.min_layer, prefix="model.early_exit.")
 
 
 @dataclass
@@ -184,12 +99,13 @@ class ModelConfig:
                     f"early exit runs on dense blocks only and model.layout={self.layout!r} has "
                     f"{sorted(set(kinds) - {'dense'})}: use layout 'dense'",
                 )
-        if self.moe.n_noop and "mode_integrated" not in kinds:
+        if self.moe.n_noop and not any_kind(kinds, "has_noop_experts"):
+            with_noop = [k for k, kind in BLOCK_KINDS.items() if kind.has_noop_experts]
             fail(
                 "model.moe.n_noop",
                 self.moe.n_noop,
-                f"only mode_integrated blocks have no-op experts and model.layout={self.layout!r} has none: "
-                "set it to 0 or add mode_integrated to the layout",
+                f"only {with_noop} blocks have no-op experts and model.layout={self.layout!r} has none: "
+                "set it to 0 or add one to the layout",
             )
 
     def expert_d_ff(self) -> int:
@@ -320,7 +236,9 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.model.n_layers and self.parallel.ep_size > 1:
+        # Only a layout with experts splits them over "ep"; for one without, ep ranks are data
+        # parallel and moe.n_experts is unused.
+        if self.parallel.ep_size > 1 and any_kind(self.model.block_kinds(), "holds_experts"):
             if self.model.moe.n_experts % self.parallel.ep_size:
                 fail(
                     "parallel.ep_size",

@@ -40,6 +40,7 @@ from mode.checks import fail
 from mode.config import Config, ModelConfig
 from mode.experts.moe import MoELayer
 from mode.layers.blocks import DenseBlock, TransformerBlock
+from mode.layers.kinds import any_kind
 from mode.layers.mod import MoDBlock
 from mode.model import MoDETransformer
 
@@ -78,8 +79,7 @@ def check_convertible(dense: ModelConfig, target: ModelConfig) -> None:
                 f"must equal the dense model's {name}={getattr(dense, name)!r}: upcycling keeps the dense weights, "
                 "so width, depth, heads, vocabulary, MLP ratio, tied embeddings and RoPE base cannot change",
             )
-    needs_experts = any(k in ("moe", "moe_capacity", "mode_staged", "mode_integrated") for k in target.block_kinds())
-    if needs_experts:
+    if any_kind(target.block_kinds(), "holds_experts"):
         hidden, d_ff, k = dense.mlp_ratio * dense.d_model, target.expert_d_ff(), target.moe.top_k
         if target.moe.mlp != "gelu":
             fail("model.moe.mlp", target.moe.mlp, "the dense MLP is GELU: upcycle to mlp='gelu'")

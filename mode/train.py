@@ -32,8 +32,7 @@ from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
 from mode.convert import upcycle
 from mode.data import TokenSplit, load_splits
 from mode.flops import print_flops, train_flops_per_step
-from mode.layers.kinds import BLOCK_KINDS
-from mode.layers.mod import MoDBlock
+from mode.layers.kinds import any_kind
 from mode.layers.recompute import checkpoint_blocks
 from mode.model import MoDETransformer
 from mode.parallel.expert_parallel import parallelize, set_balance_group
@@ -109,7 +108,7 @@ def _init_parallel(cfg: Config) -> ParallelContext | None:
     p = cfg.parallel
     if world == 1 and p.dp_size * p.ep_size == 1:
         return None
-    has_moe = any(BLOCK_KINDS[k].holds_experts for k in cfg.model.block_kinds())
+    has_moe = any_kind(cfg.model.block_kinds(), "holds_experts")
     ctx = init_mesh(p.dp_size, p.ep_size, cfg.model.moe.n_experts if has_moe else None, timeout_s=p.timeout_s)
     if cfg.train.batch_size % ctx.world_size:
         raise ValueError(
@@ -212,7 +211,7 @@ def train(
         (out_dir / "run_info.json").write_text(json.dumps(info, indent=2))
     result = TrainResult(steps=start, train_loss=float("nan"), val_loss=float("nan"), precision=precision)
     # Models with MoD blocks that can decide per token are also evaluated in causal mode.
-    causal_eval = model.supports_causal() and any(isinstance(b, MoDBlock) for b in model.blocks)
+    causal_eval = model.supports_causal() and any_kind(model.block_kinds, "routes_depth")
     # NOTE: the wall-clock budget (max_seconds, the time-based schedule) counts training steps
     # with their data loading, not evaluation or checkpoints, so that variants whose eval
     # costs more (causal-mode eval) are not charged for it.

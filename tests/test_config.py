@@ -1,5 +1,6 @@
 import pytest
 
+import mode
 from mode.config import Config, load_config, preset_names, to_yaml
 
 ERROR_CASES = [
@@ -11,7 +12,6 @@ ERROR_CASES = [
     ("model.layout=dense,foo", "model.layout"),
     ("model.n_layers=3", "model.layout"),
     ("model.n_heads=5", "model.d_model"),
-    ("parallel.ep_size=3", "parallel.ep_size"),
     ("model.n_layers=abc", "model.n_layers"),
     ("model.no_such_field=1", "no_such_field"),
     ("train.min_lr=1.0", "train.min_lr"),
@@ -42,3 +42,26 @@ def test_overrides_merge_over_preset():
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(FileNotFoundError, match="dense"):
         load_config("no_such_preset")
+
+
+def test_ep_size_must_divide_the_experts_only_where_there_are_experts():
+    with pytest.raises(ValueError, match="parallel.ep_size"):
+        load_config("moe", ["parallel.ep_size=3"])
+    # dense layouts have no experts to split: ep ranks are data parallel, n_experts unused
+    assert load_config("dense", ["parallel.ep_size=3"]).parallel.ep_size == 3
+
+
+def test_no_module_below_config_imports_it():
+    """Each layer's options live beside it (``RoutingConfig`` in ``layers/mod.py``, ...):
+    no module that ``mode.config`` imports may import ``mode.config`` back."""
+    import ast
+    from pathlib import Path
+
+    root = Path(mode.__file__).parent
+    below = [root / "layers", root / "experts", root / "routing", root / "kernels", root / "parallel"]
+    offenders = []
+    for path in [p for d in below for p in d.rglob("*.py")] + [root / "checks.py", root / "routed.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "mode.config":
+                offenders.append(str(path.relative_to(root)))
+    assert not offenders, offenders

@@ -11,7 +11,7 @@ import torch
 from mode.config import load_config, preset_names
 from mode.experts.moe import MoELayer
 from mode.layers.kinds import BLOCK_KINDS, build_block
-from mode.routed import non_causal_layers
+from mode.layers.mod import MoDBlock
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.seq_len=16", "model.moe.n_experts=4"]
@@ -25,7 +25,13 @@ def test_each_entry_describes_the_block_it_builds(kind, extra):
     block = build_block(kind, cfg)
     entry = BLOCK_KINDS[kind]
     assert entry.holds_experts == any(isinstance(m, MoELayer) for m in block.modules())
-    assert entry.causal(cfg) == (not non_causal_layers(block))
+    assert entry.routes_depth == any(isinstance(m, MoDBlock) for m in block.modules())
+    # no-op experts: built from options that ask for 2 of them (valid with an integrated layer
+    # and a token-choice router)
+    if extra != ["model.moe.router=expert_choice"]:
+        noop_cfg = load_config(None, [*SMALL, *extra, "model.layout=mode_integrated", "model.moe.n_noop=2"]).model
+        noops = [m.n_noop for m in build_block(kind, noop_cfg).modules() if isinstance(m, MoELayer)]
+        assert entry.has_noop_experts == (noops == [2]), noops
     y = block(torch.randn(2, cfg.seq_len, cfg.d_model))
     assert y.shape == (2, cfg.seq_len, cfg.d_model)
 

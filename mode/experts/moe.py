@@ -15,8 +15,7 @@ outputs, K experts per token, C slots per expert, M assignments computed.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +44,7 @@ from mode.routing.losses import (
 )
 from mode.routing.token_choice import (
     DROP_POLICIES,
+    MOE_ROUTERS,
     DropPolicy,
     TokenChoice,
     capacity_rank,
@@ -53,9 +53,6 @@ from mode.routing.token_choice import (
     jitter,
     token_choice_topk,
 )
-
-if TYPE_CHECKING:
-    from mode.config import MoEConfig
 
 
 def expert_width(d_model: int, top_k: int, mlp_ratio: int = 4) -> int:
@@ -101,6 +98,45 @@ def check_moe_args(
     check_positive(prefix + "z_coef", z_coef, allow_zero=True)
     check_positive(prefix + "bias_rate", bias_rate, allow_zero=True)
     check_choice(prefix + "token_moves", token_moves, TOKEN_MOVES)
+
+
+@dataclass
+class MoEConfig:
+    """Experts in the MLP: routing, capacity, losses, backend.
+
+    d_ff: hidden size of each expert; 0 means ``mlp_ratio * d_model // top_k`` so that the
+        active FLOPs per token match the dense MLP.
+    n_noop: no-op experts of the integrated MoDE block (output zero, cost nothing).
+    noop_share: target share of assignments to the no-op experts in the load-balance loss.
+    bias_rate: aux-loss-free balancing (per-expert selection bias) update rate; 0 disables it.
+    """
+
+    n_experts: int = 8
+    top_k: int = 2
+    d_ff: int = 0
+    mlp: str = "gelu"
+    backend: str = "auto"
+    router: str = "token_choice"
+    renormalize: bool = True
+    jitter: float = 0.0
+    capacity_factor: float = 1.25
+    drop_policy: str = "position"
+    shared_expert: bool = False
+    n_noop: int = 0
+    noop_share: float = 0.5
+    lb_coef: float = 0.01
+    lb_scope: str = "micro_batch"  # micro_batch | sequence | global_batch (mode.routing.losses)
+    z_coef: float = 0.001
+    bias_rate: float = 0.0
+    token_moves: str = "auto"  # auto | embedding_bag | index (mode.experts.permute)
+
+    def __post_init__(self) -> None:
+        check_moe_args(**vars(self), prefix="model.moe.")
+        check_int("model.moe.d_ff", self.d_ff)
+        check_positive("model.moe.d_ff", self.d_ff, allow_zero=True)
+        check_choice("model.moe.router", self.router, MOE_ROUTERS)
+        if self.router == "expert_choice" and self.n_noop:
+            fail("model.moe.n_noop", self.n_noop, "expert-choice experts take no no-op experts: use 0")
 
 
 def moe_flops(
@@ -190,8 +226,26 @@ class MoELayer(Routed):
     def from_config(cls, d_model: int, cfg: MoEConfig, d_ff: int, n_noop: int = 0) -> MoELayer:
         """The layer ``cfg`` describes, with per-expert width ``d_ff`` and ``n_noop`` no-op
         experts (only the integrated MoDE block has them)."""
-        options = {k: v for k, v in asdict(cfg).items() if k not in ("n_experts", "top_k", "d_ff", "router")}
-        return cls(d_model, d_ff, cfg.n_experts, cfg.top_k, **{**options, "n_noop": n_noop})
+        return cls(
+            d_model,
+            d_ff,
+            cfg.n_experts,
+            cfg.top_k,
+            mlp=cfg.mlp,
+            backend=cfg.backend,
+            renormalize=cfg.renormalize,
+            jitter=cfg.jitter,
+            capacity_factor=cfg.capacity_factor,
+            drop_policy=cfg.drop_policy,
+            shared_expert=cfg.shared_expert,
+            n_noop=n_noop,
+            noop_share=cfg.noop_share,
+            lb_coef=cfg.lb_coef,
+            lb_scope=cfg.lb_scope,
+            z_coef=cfg.z_coef,
+            bias_rate=cfg.bias_rate,
+            token_moves=cfg.token_moves,
+        )
 
     def non_causal_reason(self) -> str | None:
         return None  # token choice: each token picks its experts from its own logits

@@ -17,6 +17,8 @@ evaluation and sampling (``model.eval()``), where ``threshold`` sets the compute
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,26 @@ def check_early_exit_args(
     check_positive(prefix + "min_layer", min_layer)
     if n_layers is not None and min_layer >= n_layers:
         fail(prefix + "min_layer", min_layer, f"must be below n_layers={n_layers} (a token exits after that block)")
+
+
+@dataclass
+class EarlyExitConfig:
+    """Per-token early exit (``mode.layers.early_exit``): the depth-saving control for MoD.
+
+    enabled: exit heads after blocks ``min_layer .. n_layers - 1`` (dense layouts only).
+    threshold: a token exits once its exit head's largest next-token probability reaches it
+        (evaluation and sampling; training computes every block and the exit losses).
+    loss_coef: weight of the mean intermediate exit cross-entropy added to the LM loss.
+    min_layer: blocks every token runs before it may exit.
+    """
+
+    enabled: bool = False
+    threshold: float = 0.9
+    loss_coef: float = 1.0
+    min_layer: int = 1
+
+    def __post_init__(self) -> None:
+        check_early_exit_args(self.threshold, self.loss_coef, self.min_layer, prefix="model.early_exit.")
 
 
 class EarlyExit(Routed):

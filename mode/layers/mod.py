@@ -3,14 +3,15 @@ and ``StagedMoDEBlock`` (MoD around a block whose MLP is an MoE).
 
 Legend: B batch, T tokens, D model dim, k tokens chosen per sequence by the router.
 ``check_mod_args`` is the one place that validates a MoD block's options (the keyword
-constructors and ``RoutingConfig`` both call it); ``capacity_to_k`` is the one k rule.
+constructors and ``RoutingConfig``, their config section ``model.mod``, both call it);
+``capacity_to_k`` is the one k rule.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Literal, get_args
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
@@ -24,9 +25,6 @@ from mode.routed import Routed, Router, measuring
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
 from mode.routing.counting import count_ids
 from mode.routing.mod_topk import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
-
-if TYPE_CHECKING:
-    from mode.config import RoutingConfig
 
 # g in ``x + g(r) * f(x)``; "none" is g = 1 (no router gradient: ablations, equivalence tests).
 Gate = Literal["sigmoid", "identity", "none"]
@@ -60,6 +58,32 @@ def check_mod_args(
     check_positive(prefix + "causal_coef", causal_coef, allow_zero=True)
     check_int(prefix + "predictor_hidden", predictor_hidden)
     check_positive(prefix + "predictor_hidden", predictor_hidden)
+
+
+@dataclass
+class RoutingConfig:
+    """Mixture-of-Depths routing around a block (expert choice over the sequence).
+
+    capacity: share of each sequence's tokens that go through a routed block, k = floor(capacity*T).
+    gate: g(r) in ``x + g(r) * f(x)``; "sigmoid" (default), "identity" (the paper), "none" (g = 1:
+        no router gradient; for ablations and equivalence tests).
+    causal: how a token decides alone at sampling time: "router_bce" trains the router logit
+        toward top-k membership, "predictor" applies the top-k rule to the tokens so far (the
+        detached router score against the k-th largest score of the prefix), corrected by a
+        small MLP on ``x.detach()`` trained by BCE (``mode.layers.predictor``).
+    kernels: who moves the chosen tokens: "auto" (= torch), "torch", or "triton"
+        (``mode.kernels.mod_tokens``; CUDA, or CPU under TRITON_INTERPRET=1).
+    """
+
+    capacity: float = 0.125
+    gate: str = "sigmoid"
+    causal: str = "none"
+    causal_coef: float = 0.01
+    predictor_hidden: int = 64
+    kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_mod_args(**vars(self), prefix="model.mod.")
 
 
 class MoDBlock(Routed):
@@ -109,7 +133,17 @@ class MoDBlock(Routed):
     def from_config(cls, d_model: int, n_heads: int, cfg: RoutingConfig, **kwargs) -> MoDBlock:
         """The block ``cfg`` (``model.mod``) describes; ``kwargs`` are the other constructor
         arguments (``mlp_ratio``, ``rope_base``; ``moe`` for ``StagedMoDEBlock``)."""
-        return cls(d_model, n_heads, **asdict(cfg), **kwargs)
+        return cls(
+            d_model,
+            n_heads,
+            capacity=cfg.capacity,
+            gate=cfg.gate,
+            causal=cfg.causal,
+            causal_coef=cfg.causal_coef,
+            predictor_hidden=cfg.predictor_hidden,
+            kernels=cfg.kernels,
+            **kwargs,
+        )
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return self.block.new_cache(batch, dtype, device)
