@@ -36,6 +36,8 @@ class Router(nn.Linear):
     gate value ``g(r)`` (upcycling starts it where the gate is ~1). A state dict without it
     (written before it existed) loads with the offset 0."""
 
+    keeps_float32 = True  # see ``keeps_float32``
+
     def __init__(self, d_model: int, n_out: int, bias: bool = False) -> None:
         super().__init__(d_model, n_out, bias=bias)
         if self.bias is not None:
@@ -142,6 +144,27 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
         p = next(model.parameters(), None)
         return torch.zeros((), device=p.device if p is not None else "cpu")
     return torch.stack([t.float() for t in terms]).sum()
+
+
+def keeps_float32(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters stay float32 when a block is computed in bf16: routers
+    and routing predictors (a class attribute ``keeps_float32 = True``) and LayerNorms. FSDP2
+    gives them a float32 unit of their own (``mode.parallel.fsdp``)."""
+    return bool(getattr(module, "keeps_float32", False)) or isinstance(module, nn.LayerNorm)
+
+
+def step_records(model: nn.Module) -> list[torch.Tensor]:
+    """The routing state to sum over data-parallel ranks before ``after_optimizer_step``: the
+    tensors each module's ``step_records()`` returns (what its forwards recorded since the
+    last step and its hook reads: an MoE layer's expert load, a predictor's k-th scores), in
+    module order. They are sums, so the sum over ranks is the global batch's record and every
+    replica then moves its state identically (``mode.parallel.mesh.sum_over_ranks``)."""
+    out = []
+    for m in model.modules():
+        records = getattr(m, "step_records", None)
+        if callable(records) and m is not model:
+            out.extend(records())
+    return out
 
 
 def after_optimizer_step(model: nn.Module, apply: bool | torch.Tensor = True) -> None:

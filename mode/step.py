@@ -15,11 +15,10 @@ import torch.distributed as dist
 
 from mode.config import TrainConfig
 from mode.model import MoDETransformer
-from mode.parallel.expert_parallel import sync_load_statistics, sync_running_thresholds
 from mode.parallel.fsdp import clip_grad_norm, scale_expert_grads, set_gradient_sync
-from mode.parallel.mesh import ParallelContext
+from mode.parallel.mesh import ParallelContext, sum_over_ranks
 from mode.precision import autocast
-from mode.routed import after_optimizer_step, aux_loss, metrics_scope
+from mode.routed import after_optimizer_step, aux_loss, metrics_scope, step_records
 
 
 def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
@@ -150,7 +149,6 @@ def train_step(
         loss, aux = torch.stack(losses).mean(), torch.stack(auxes).mean()
     if ctx is not None:
         scale_expert_grads(model, ctx)
-        sync_running_thresholds(model, ctx)
     grad_norm = clip_grad_norm(model, grad_clip or math.inf, ctx)
     # NOTE: one test for all three: a sum of finite float32 values is finite (short of 3e38).
     finite = torch.isfinite(loss + aux + grad_norm).float()
@@ -167,6 +165,6 @@ def train_step(
         opt.step()
     opt.zero_grad(set_to_none=True)
     if ctx is not None:
-        sync_load_statistics(model, ctx)
+        sum_over_ranks(step_records(model))  # every replica moves its routing state alike
     after_optimizer_step(model, apply=ok)
     return StepResult(loss, aux, grad_norm, ~ok)

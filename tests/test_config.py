@@ -1,6 +1,5 @@
 import pytest
 
-import mode
 from mode.config import Config, load_config, preset_names, to_yaml
 
 ERROR_CASES = [
@@ -49,19 +48,3 @@ def test_ep_size_must_divide_the_experts_only_where_there_are_experts():
         load_config("moe", ["parallel.ep_size=3"])
     # dense layouts have no experts to split: ep ranks are data parallel, n_experts unused
     assert load_config("dense", ["parallel.ep_size=3"]).parallel.ep_size == 3
-
-
-def test_no_module_below_config_imports_it():
-    """Each layer's options live beside it (``RoutingConfig`` in ``layers/mod.py``, ...):
-    no module that ``mode.config`` imports may import ``mode.config`` back."""
-    import ast
-    from pathlib import Path
-
-    root = Path(mode.__file__).parent
-    below = [root / "layers", root / "experts", root / "routing", root / "kernels", root / "parallel"]
-    offenders = []
-    for path in [p for d in below for p in d.rglob("*.py")] + [root / "checks.py", root / "routed.py"]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "mode.config":
-                offenders.append(str(path.relative_to(root)))
-    assert not offenders, offenders

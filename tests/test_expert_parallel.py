@@ -235,19 +235,25 @@ def test_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
 def bias_worker(rank: int, world: int, out_dir: str) -> None:
     from mode.train import train
 
-    cfg = load_config(
-        None, [*TRAIN, "train.steps=3", "model.moe.bias_rate=0.01", "parallel.dp_size=2", f"train.out_dir={out_dir}"]
-    )
+    overrides = ["model.layout=mode_staged,moe", "model.mod.causal=predictor", "model.moe.bias_rate=0.01"]
+    cfg = load_config(None, [*TRAIN, *overrides, "train.steps=3", "parallel.dp_size=2", f"train.out_dir={out_dir}"])
     model, _ = train(cfg)
-    bias = next(m.selection_bias for m in model.modules() if hasattr(m, "selection_bias"))
-    gathered = [torch.empty_like(bias) for _ in range(world)]
-    dist.all_gather(gathered, bias)
-    assert bias.abs().sum() > 0  # the biases moved
-    for other in gathered:
-        assert torch.equal(other, bias)  # and stayed identical on every replica
+    state = model.state_dict()
+    moved = {k: v for k, v in state.items() if k.endswith(("selection_bias", "threshold"))}
+    assert sum(k.endswith("selection_bias") for k in moved) == 2 and sum(k.endswith("threshold") for k in moved) == 1
+    for name, value in moved.items():
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        gathered = [torch.empty_like(value) for _ in range(world)]
+        dist.all_gather(gathered, value.contiguous())
+        assert value.abs().sum() > 0, name  # the state moved
+        for other in gathered:
+            assert torch.equal(other, value), name  # and stayed identical on every replica
 
 
-def test_aux_loss_free_bias_stays_identical_across_data_parallel_ranks(tmp_path):
+def test_routing_state_stays_identical_across_data_parallel_ranks(tmp_path):
+    """Each rank's recorded expert load and k-th scores are summed over the ranks
+    (``mode.routed.step_records``) before the selection biases and the predictor's running
+    threshold move."""
     run_workers(bias_worker, 2, str(tmp_path))
 
 

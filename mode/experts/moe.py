@@ -296,6 +296,10 @@ class MoELayer(Routed):
         self.record_aux("z_loss", router_z_loss(logits, finite), self.z_coef)
         return choice, logits
 
+    def step_records(self) -> list[torch.Tensor]:
+        """The expert load summed since the last step (aux-loss-free balancing reads it)."""
+        return [self._load_sum] if self.bias_rate else []
+
     def after_optimizer_step(self, apply: bool | torch.Tensor = True) -> None:
         """Aux-loss-free balancing: move the selection bias toward the target load (with the
         load recorded since the last step; ``apply=False`` only clears it; a 0-dim bool tensor

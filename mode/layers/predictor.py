@@ -44,9 +44,11 @@ class RoutingPredictor(nn.Module):
     low; the prefix order statistic can (benchmarks/RESULTS.md, "Causal sampling").
     The running threshold moves in ``after_optimizer_step`` (call it after each optimizer step
     in your own loop, or ``mode.after_optimizer_step(model)``); under data parallelism
-    ``mode.train`` first sums the recorded k-th scores over the ranks
-    (``parallel.expert_parallel.sync_running_thresholds``), so all replicas agree.
+    ``mode.train_step`` first sums the recorded k-th scores over the ranks
+    (``step_records``, ``mode.routed.step_records``), so all replicas agree.
     """
+
+    keeps_float32 = True  # FSDP2 keeps it out of a block's bf16 gathers (``mode.routed.keeps_float32``)
 
     def __init__(
         self,
@@ -168,6 +170,10 @@ class RoutingPredictor(nn.Module):
         kth = torch.where(chosen, scores.float(), torch.inf).amin(dim=-1)  # [B]
         # NOTE: the count is filled on the device (``torch.tensor(n, device=...)`` is a host copy: a sync).
         self.pending += torch.stack([kth.sum(), torch.full((), float(kth.numel()), device=kth.device)])
+
+    def step_records(self) -> list[torch.Tensor]:
+        """``pending``: the sum of the recorded k-th scores and their count since the last step."""
+        return [self.pending]
 
     @torch.no_grad()
     def after_optimizer_step(self, apply: bool | torch.Tensor = True) -> None:

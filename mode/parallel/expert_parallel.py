@@ -18,7 +18,6 @@ from torch import nn
 from mode.experts.dispatch import Dispatcher
 from mode.experts.mlp import ExpertMLP
 from mode.experts.moe import CapacityMoE, MoELayer
-from mode.layers.predictor import RoutingPredictor
 from mode.parallel.all_to_all import all_to_all, exchange_counts
 from mode.parallel.mesh import ParallelContext
 from mode.routed import recomputing
@@ -122,24 +121,6 @@ def reset_dispatch_stats(model: nn.Module) -> None:
         if stats:
             for k in stats:
                 stats[k] = 0
-
-
-def sync_load_statistics(model: nn.Module, ctx: ParallelContext) -> None:
-    """Sum every MoE layer's accumulated expert load over all ranks, so that the
-    aux-loss-free selection biases (updated from it after the optimizer step) stay identical
-    on every replica instead of drifting apart with each rank's own tokens."""
-    for layer in moe_layers(model):
-        if layer.bias_rate:
-            dist.all_reduce(layer._load_sum)
-
-
-def sync_running_thresholds(model: nn.Module, ctx: ParallelContext) -> None:
-    """Sum every routing predictor's recorded k-th scores (and their count) over all ranks
-    before ``after_optimizer_step`` applies them: each replica then moves its running
-    threshold toward the global batch's mean k-th score and all stay identical."""
-    for m in model.modules():
-        if isinstance(m, RoutingPredictor):
-            dist.all_reduce(m.pending)
 
 
 def set_balance_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:

@@ -32,10 +32,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from mode.layers.predictor import RoutingPredictor
 from mode.parallel.expert_parallel import expert_parameters, moe_layers
 from mode.parallel.mesh import ParallelContext
-from mode.routed import Router
+from mode.routed import keeps_float32
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -48,7 +47,7 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 def float32_modules(module: nn.Module) -> list[nn.Module]:
     """The modules of a block kept in float32: ``Router`` projections, routing predictors,
     LayerNorms."""
-    return [m for m in module.modules() if isinstance(m, Router | RoutingPredictor | nn.LayerNorm)]
+    return [m for m in module.modules() if keeps_float32(m)]
 
 
 def shard_model(model: nn.Module, ctx: ParallelContext, precision: str = "fp32") -> nn.Module:

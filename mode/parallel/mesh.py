@@ -121,3 +121,16 @@ def destroy() -> None:
     """Tear down the default process group (no-op when none is initialised)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def sum_over_ranks(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """Sum each tensor over the ranks of ``group`` (default: all), in place, with one
+    all-reduce per dtype (the tensors flattened into one buffer)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        for t, part in zip(same, flat.split([t.numel() for t in same]), strict=True):
+            t.copy_(part.view_as(t))
