@@ -52,7 +52,8 @@ from mode.data import load_splits  # noqa: E402
 from mode.flops import active_params, train_flops_per_step  # noqa: E402
 from mode.layers.kinds import BLOCK_KINDS  # noqa: E402
 from mode.model import MoDETransformer  # noqa: E402
-from mode.train import build_optimizer, train, train_step  # noqa: E402
+from mode.step import build_optimizer, train_step  # noqa: E402
+from mode.train import train  # noqa: E402
 
 PRESETS = [*BLOCK_KINDS, "early_exit"]  # every block kind has a preset of its name; early exit is dense + exits
 BPB = 1 / math.log(2)

@@ -1,5 +1,6 @@
-"""What a training run measures about itself: peak FLOP/s of the device, throughput, MFU,
-peak memory, and ``torch.profiler`` traces of chosen steps.
+"""What a training run measures and says about itself: peak FLOP/s of the device, throughput,
+MFU, peak memory, ``torch.profiler`` traces of chosen steps, step times, and the run's log
+(``RunLogger``: ``metrics.jsonl``, the progress bar, messages, ``config.json``, ``run_info.json``).
 
 MFU = achieved FLOP/s (model FLOPs per step from ``mode.flops`` / step time, over every rank)
 divided by the peak of all ranks, where a rank's peak is measured once per process with a
@@ -9,12 +10,15 @@ square matmul of the training dtype (not a datasheet number: on CPU there is non
 from __future__ import annotations
 
 import functools
+import json
 import resource
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from mode.precision import matmul_seconds
 
@@ -127,3 +131,58 @@ class StepTimer:
             out = [b - a for a, b in self.pending]
         self.pending = []
         return out
+
+
+class RunLogger:
+    """The run's log, written by rank 0 only (other ranks get a silent one): ``config.json``
+    and ``run_info.json`` in ``out_dir``, one JSON record per logged step in
+    ``metrics.jsonl`` (started afresh, or continued when ``append`` is set before the first
+    record: a resumed run), a tqdm progress bar and messages printed above it
+    (``progress=False`` silences both, not the files or warnings)."""
+
+    def __init__(self, out_dir: str | Path, rank: int, name: str, progress: bool = True) -> None:
+        self.out_dir, self.active, self.name = Path(out_dir), rank == 0, name
+        self.progress = progress and self.active
+        self.append = False
+        self.bar: tqdm | None = None
+        self.file = None
+        self.last_val = float("nan")
+
+    def write_json(self, filename: str, values: dict) -> None:
+        """``out_dir/filename`` as indented JSON (rank 0)."""
+        if self.active:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / filename).write_text(json.dumps(values, indent=2))
+
+    def say(self, message: str) -> None:
+        """Print a line above the progress bar (rank 0, when showing progress)."""
+        if self.progress:
+            tqdm.write(message)
+
+    def warn(self, message: str) -> None:
+        """Print a warning (rank 0; shown even without progress output)."""
+        if self.active:
+            tqdm.write(message)
+
+    def steps(self, start: int, end: int) -> Iterable[int]:
+        """Step indices ``start .. end - 1`` behind the progress bar."""
+        self.bar = tqdm(range(start, end), disable=not self.progress, desc=self.name, dynamic_ncols=True)
+        return self.bar
+
+    def record(self, values: dict) -> None:
+        """Append one step's record to ``metrics.jsonl`` and show its losses on the bar."""
+        if self.active and self.file is None:
+            self.file = open(self.out_dir / "metrics.jsonl", "a" if self.append else "w")  # noqa: SIM115
+        if self.file is not None:
+            self.file.write(json.dumps(values) + "\n")
+            self.file.flush()
+        self.last_val = values.get("val_loss", self.last_val)
+        if self.bar is not None and self.progress:
+            self.bar.set_postfix(loss=f"{values['loss']:.3f}", val=f"{self.last_val:.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+            self.file = None

@@ -5,16 +5,18 @@ AdamW, cosine schedule with linear warm-up, gradient clipping and accumulation
 tokens/s, MFU, peak memory) to ``<out_dir>/metrics.jsonl`` and checkpoint + resume
 (``<out_dir>/ckpt.pt``, or ``ckpt/`` under torchrun; see ``mode.checkpoint``). Optional:
 bf16 autocast, per-block ``torch.compile`` and activation checkpointing, a profiler trace.
-Under torchrun: FSDP2 over the (dp, ep) mesh (``mode.parallel.fsdp``).
+Under torchrun: FSDP2 over the (dp, ep) mesh (``mode.parallel``).
 
     mode-train --config mod model.n_layers=8 train.steps=500
     mode-train --config path/to/my.yaml --print-flops
+
+``train`` is the loop; ``Run`` is everything it needs (``Run.start``: data, model, optimizer,
+resume, log) and what it does around a step (``evaluate_and_record``, ``save``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -23,31 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from mode import checkpoint, telemetry
-from mode.compile import compile_blocks, compile_enabled
+from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
 from mode.convert import upcycle
 from mode.data import TokenSplit, load_splits
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import any_kind
-from mode.layers.recompute import checkpoint_blocks
 from mode.model import MoDETransformer
-from mode.parallel.expert_parallel import parallelize, set_balance_group
-from mode.parallel.fsdp import shard_model
-from mode.parallel.mesh import ParallelContext, destroy, init_mesh
+from mode.parallel.mesh import ParallelContext, destroy, mean_over_ranks
+from mode.parallel.parallelize import init_parallel, parallelize_model
 from mode.precision import PRECISION_DTYPES, autocast, resolve
 from mode.routed import health_warnings, routing_metrics
-from mode.step import (  # noqa: F401  (re-exported: the step's pieces were defined here before)
-    LMObjective,
-    NonFiniteTrainingError,
-    StepResult,
-    build_optimizer,
-    lr_at,
-    train_step,
-)
+from mode.step import LMObjective, NonFiniteTrainingError, StepResult, build_optimizer, lr_at, train_step
 
 
 @torch.no_grad()
@@ -74,7 +65,7 @@ def evaluate(
         x, y = split.batch(batch_size, gen)
         with autocast(precision, device):
             _, loss = model(x[rows].to(device), y[rows].to(device), routing=routing)
-        losses.append(_mean_over_ranks(loss.item(), ctx))
+        losses.append(mean_over_ranks(loss.item(), ctx))
         for key, value in routing_metrics(model).items():
             if isinstance(value, float | int):
                 metrics[key] = metrics.get(key, 0.0) + value / n_batches
@@ -102,47 +93,158 @@ def _check_vocab(model_cfg: ModelConfig, vocab: int) -> None:
         raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is too small: the data needs {vocab}")
 
 
-def _init_parallel(cfg: Config) -> ParallelContext | None:
-    """A ParallelContext when launched by torchrun (or asked for dp/ep > 1), else None."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    p = cfg.parallel
-    if world == 1 and p.dp_size * p.ep_size == 1:
-        return None
-    has_moe = any_kind(cfg.model.block_kinds(), "holds_experts")
-    ctx = init_mesh(p.dp_size, p.ep_size, cfg.model.moe.n_experts if has_moe else None, timeout_s=p.timeout_s)
-    if cfg.train.batch_size % ctx.world_size:
-        raise ValueError(
-            f"train.batch_size={cfg.train.batch_size} (the global batch) must be divisible by the world size "
-            f"{ctx.world_size}"
+@dataclass
+class Run:
+    """A training run's parts, made by ``Run.start(cfg)``; ``train`` drives them."""
+
+    cfg: Config
+    ctx: ParallelContext | None
+    device: torch.device
+    precision: str
+    model: MoDETransformer
+    opt: torch.optim.Optimizer
+    objective: LMObjective
+    data: tuple[TokenSplit, TokenSplit]
+    gen: torch.Generator  # the data order (checkpointed)
+    ckpt: Path
+    start_step: int  # 0, or the step a resumed run continues from
+    elapsed: float
+    log: telemetry.RunLogger
+    flops_per_step: int
+    peak_flops: float
+
+    @classmethod
+    def start(cls, cfg: Config, model: MoDETransformer | None = None) -> Run:
+        """Data, model (upcycled when ``train.init_from``, parallelized), optimizer, resumed
+        state (``train.resume``) and log of a run; the log's first line names the device,
+        precision, compile, optimizer and parallel layout."""
+        tc = cfg.train
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        ctx = init_parallel(cfg)
+        device = ctx.device if ctx else telemetry.resolve_device(tc.device)
+        precision = resolve(tc.precision, device)
+        torch.manual_seed(tc.seed)  # identical initial weights on every rank
+        train_split, val_split, vocab = load_splits(
+            cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir
         )
-    return ctx
+        _check_vocab(cfg.model, vocab)
+        ckpt = Path(tc.out_dir) / ("ckpt" if ctx else "ckpt.pt")
+        resume_from = checkpoint.latest(ckpt) if tc.resume else None
+        if model is None and tc.init_from and resume_from is None:
+            # Every rank converts the same way (seeded), then the model is sharded like any other.
+            model = upcycle(tc.init_from, cfg, seed=tc.seed)
+        model = parallelize_model((model or MoDETransformer(cfg.model)).to(device), cfg, ctx, precision)
+        opt = build_optimizer(model, tc)
+        gen = torch.Generator().manual_seed(tc.seed)
+        log = telemetry.RunLogger(tc.out_dir, ctx.rank if ctx else 0, cfg.name, tc.progress)
+        start, elapsed = 0, 0.0
+        if resume_from is not None:
+            # The newest checkpoint that passes its checks (older ones kept by keep_checkpoints
+            # are the fallback). The time budget continues too: the schedule and the max_seconds
+            # stop use it.
+            _, (start, elapsed) = checkpoint.load_newest_good(ckpt, model, opt, gen, ctx, warn=log.warn)
+            log.append = start > 0  # metrics.jsonl continues
+        peak_flops, peak_how = telemetry.measure_peak_flops(device, PRECISION_DTYPES[precision])
+        layout = f"dp {ctx.dp_size} x ep {ctx.ep_size}" if ctx else "1 process"
+        compiled = "compiled blocks" if compile_enabled(tc.compile, device) else "eager"
+        fused = "fused" if opt.param_groups[0].get("fused") else "foreach"
+        log.say(
+            f"{cfg.name}: device {device}, precision {precision}, {compiled}, {fused} AdamW, {layout}; "
+            f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how})"
+        )
+        log.write_json("config.json", to_dict(cfg))
+        info = {"precision": precision, "world_size": ctx.world_size if ctx else 1}
+        info.update(peak_flops_per_rank=peak_flops, peak_how=peak_how)
+        if tc.init_from:  # the checkpoint this run's weights were converted from (resumes keep saying it)
+            info["init_from"] = str(Path(tc.init_from).resolve())
+        log.write_json("run_info.json", info)
+        flops = train_flops_per_step(cfg.model, tc.batch_size)
+        objective = LMObjective(model)
+        data = (train_split, val_split)
+        return cls(
+            cfg, ctx, device, precision, model, opt, objective, data, gen, ckpt, start, elapsed, log, flops, peak_flops
+        )
 
+    @property
+    def rank_and_world(self) -> tuple[int, int]:
+        return (self.ctx.rank, self.ctx.world_size) if self.ctx else (0, 1)
 
-def _mean_over_ranks(value: float, ctx: ParallelContext | None) -> float:
-    if ctx is None:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / ctx.world_size
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the next global batch, on the device."""
+        rank, world = self.rank_and_world
+        b = self.cfg.train.batch_size
+        x, y = self.data[0].batch(b, self.gen)
+        rows = slice(rank * b // world, (rank + 1) * b // world)
+        return x[rows].to(self.device, non_blocking=True), y[rows].to(self.device, non_blocking=True)
 
+    def step_record(self, done: int, out: StepResult, lr: float, elapsed: float, step_time: float, bad: int) -> dict:
+        """The logged record of step ``done`` (reads the step's results on the host); ``bad``:
+        consecutive skipped steps up to it."""
+        loss, aux, grad_norm, skipped = (float(t) for t in out)
+        tc, world = self.cfg.train, self.rank_and_world[1]
+        record = {
+            "step": done,
+            "loss": mean_over_ranks(loss, self.ctx),
+            "aux": mean_over_ranks(aux, self.ctx),
+            "lr": lr,
+            "step_time": step_time,
+            "elapsed": elapsed,
+            **telemetry.throughput(
+                tc.batch_size * self.cfg.model.seq_len, self.flops_per_step, step_time, self.peak_flops * world
+            ),
+            "peak_memory_mb": telemetry.peak_memory_bytes(self.device) / 2**20,
+            "grad_norm": grad_norm,
+        }
+        if skipped:
+            record["skipped"] = True
+            self.log.warn(
+                f"step {done}: non-finite loss or gradient (loss {loss:.4g}, grad norm {grad_norm:.4g}): "
+                f"skipped, weights unchanged ({bad} in a row)"
+            )
+        return record
 
-def prepare_model(
-    model: MoDETransformer, cfg: Config, ctx: ParallelContext | None = None, precision: str = "fp32"
-) -> MoDETransformer:
-    """Make ``model`` (whole, identical on every rank) what ``cfg.train`` and ``ctx`` ask for,
-    in torchtitan's order: experts split over "ep" and the balance group set, activation
-    checkpointing, per-block compile, FSDP2 (``mode.parallel.fsdp``). Build the optimizer
-    after this; ``mode.checkpoint.load`` loads a checkpoint of any layout into the result."""
-    tc = cfg.train
-    if ctx is not None:
-        parallelize(model, ctx)
-        set_balance_group(model, dist.group.WORLD)  # every rank reads different rows
-    checkpoint_blocks(model.blocks, tc.activation_checkpoint, tc.activation_checkpoint_every)
-    if compile_enabled(tc.compile, next(model.parameters()).device):
-        compile_blocks(model)
-    if ctx is not None:
-        shard_model(model, ctx, precision)
-    return model
+    def stop_if_bad(self, worst: int, record: dict) -> None:
+        """``NonFiniteTrainingError`` after ``train.max_bad_steps`` consecutive skipped steps."""
+        tc = self.cfg.train
+        if worst >= tc.max_bad_steps:
+            self.log.record(record)
+            self.log.close()
+            raise NonFiniteTrainingError(
+                f"{worst} consecutive steps (up to step {record['step']}) had a non-finite loss or gradient "
+                f"(train.max_bad_steps={tc.max_bad_steps}); stopped without writing a checkpoint (the last "
+                f"good one: {checkpoint.latest(self.ckpt) or 'none'}). Check the data, lower train.lr, or "
+                "raise train.max_bad_steps"
+            )
+
+    def evaluate_and_record(self, record: dict, result: TrainResult, evaluating: bool) -> None:
+        """Add this step's routing metrics and health warnings to ``record``; on evaluation
+        steps the validation loss (and with causal routing, where the model has MoD blocks that
+        decide per token), also kept in ``result``; then write the record."""
+        record.update(routing_metrics(self.model))  # of this training step, before eval overwrites them
+        warnings = health_warnings(record)
+        if warnings:
+            record["warnings"] = warnings
+            self.log.warn(f"step {record['step']}: router collapse? " + "; ".join(warnings))
+        if evaluating:
+            tc, val = self.cfg.train, self.data[1]
+            args = (self.model, val, tc.batch_size, tc.eval_batches)
+            result.val_loss, _ = evaluate(*args, ctx=self.ctx, precision=self.precision)
+            record["val_loss"] = result.val_loss
+            step = record["step"]
+            point = {"step": step, "seconds": record["elapsed"], "flops": step * self.flops_per_step}
+            point["val_loss"] = result.val_loss
+            if self.model.supports_causal() and any_kind(self.model.block_kinds, "routes_depth"):
+                result.val_loss_causal, metrics = evaluate(*args, "causal", self.ctx, self.precision)
+                point["val_loss_causal"] = record["val_loss_causal"] = result.val_loss_causal
+                record.update({f"{k}@causal_eval": v for k, v in metrics.items() if "causal_share" in k})
+            result.history.append(point)
+        self.log.record(record)
+
+    def save(self, step: int, elapsed: float) -> None:
+        tc = self.cfg.train
+        progress = checkpoint.Progress(step, elapsed)
+        checkpoint.save(self.ckpt, self.model, self.opt, progress, self.cfg, self.gen, self.ctx, tc.keep_checkpoints)
 
 
 def train(
@@ -158,184 +260,61 @@ def train(
     and every weight is sharded by FSDP2 (``mode.parallel.fsdp``), the balance loss with
     ``lb_scope="global_batch"`` sees every rank's tokens, and rank 0 alone logs and shows
     progress; checkpoints are sharded (``torch.distributed.checkpoint``).
+
+    The host reads what the device computed only on logging, eval and checkpoint steps:
+    consecutive skipped steps are counted on the device. The wall-clock budget
+    (``max_seconds``, the time-based schedule) counts training steps with their data loading,
+    not evaluation or checkpoints, so variants whose eval costs more are not charged for it.
     """
-    tc = cfg.train
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
-    ctx = _init_parallel(cfg)
-    rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
-    device = ctx.device if ctx else telemetry.resolve_device(tc.device)
-    precision = resolve(tc.precision, device)
-    torch.manual_seed(tc.seed)  # identical initial weights on every rank
-    train_split, val_split, vocab = load_splits(
-        cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir
-    )
-    _check_vocab(cfg.model, vocab)
-    out_dir = Path(tc.out_dir)
-    ckpt = out_dir / ("ckpt" if ctx else "ckpt.pt")
-    resume_from = checkpoint.latest(ckpt) if tc.resume else None
-    if model is None and tc.init_from and resume_from is None:
-        # Every rank converts the same way (seeded), then the model is sharded like any other.
-        model = upcycle(tc.init_from, cfg, seed=tc.seed)
-    model = prepare_model((model or MoDETransformer(cfg.model)).to(device), cfg, ctx, precision)
-    objective = LMObjective(model)
-    opt = build_optimizer(model, tc)
-    gen = torch.Generator().manual_seed(tc.seed)
-    start, elapsed = 0, 0.0
-    if resume_from is not None:
-        # The newest checkpoint that passes its checks (older ones kept by keep_checkpoints
-        # are the fallback). The time budget continues too: the schedule and the max_seconds
-        # stop use it.
-        warn = tqdm.write if rank == 0 else (lambda message: None)
-        _, (start, elapsed) = checkpoint.load_newest_good(ckpt, model, opt, gen, ctx, warn=warn)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    log = open(out_dir / "metrics.jsonl", "a" if start else "w") if rank == 0 else None  # noqa: SIM115
-    rows = slice(rank * tc.batch_size // world, (rank + 1) * tc.batch_size // world)
-    flops_per_step = train_flops_per_step(cfg.model, tc.batch_size)
-    peak_flops, peak_how = telemetry.measure_peak_flops(device, PRECISION_DTYPES[precision])
-    if rank == 0 and tc.progress:
-        layout = f"dp {ctx.dp_size} x ep {ctx.ep_size}" if ctx else "1 process"
-        compiled = "compiled blocks" if compile_enabled(tc.compile, device) else "eager"
-        fused = "fused" if opt.param_groups[0].get("fused") else "foreach"
-        tqdm.write(
-            f"{cfg.name}: device {device}, precision {precision}, {compiled}, {fused} AdamW, {layout}; "
-            f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how})"
-        )
-    profiler = telemetry.StepProfiler(out_dir, list(tc.profile_steps), rank)
-    if rank == 0:
-        info = {"precision": precision, "world_size": world, "peak_flops_per_rank": peak_flops, "peak_how": peak_how}
-        if tc.init_from:  # the checkpoint this run's weights were converted from (resumes keep saying it)
-            info["init_from"] = str(Path(tc.init_from).resolve())
-        (out_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-    result = TrainResult(steps=start, train_loss=float("nan"), val_loss=float("nan"), precision=precision)
-    # Models with MoD blocks that can decide per token are also evaluated in causal mode.
-    causal_eval = model.supports_causal() and any_kind(model.block_kinds, "routes_depth")
-    # NOTE: the wall-clock budget (max_seconds, the time-based schedule) counts training steps
-    # with their data loading, not evaluation or checkpoints, so that variants whose eval
-    # costs more (causal-mode eval) are not charged for it.
-    # Read on the host only on logging, eval and checkpoint steps: consecutive skipped steps
-    # are counted on the device (``bad_run``, and the longest run since the last read).
-    bad_run = torch.zeros((), device=device)
-    worst_run = torch.zeros((), device=device)
-    timer = telemetry.StepTimer(device)
-    saved = start if start else -1  # step of the last checkpoint on disk from this run (or its resume)
-    bar = tqdm(range(start, tc.steps), disable=not tc.progress or rank != 0, desc=cfg.name, dynamic_ncols=True)
-    model.train()
-    for step in bar:
+    run = Run.start(cfg, model)
+    tc, elapsed, saved = cfg.train, run.elapsed, run.start_step or -1  # saved: the step of the last checkpoint on disk
+    result = TrainResult(steps=run.start_step, train_loss=float("nan"), val_loss=float("nan"), precision=run.precision)
+    bad_run, worst_run = torch.zeros((), device=run.device), torch.zeros((), device=run.device)  # skips in a row
+    timer = telemetry.StepTimer(run.device)
+    profiler = telemetry.StepProfiler(tc.out_dir, list(tc.profile_steps), run.rank_and_world[0])
+    run.model.train()
+    for step in run.log.steps(run.start_step, tc.steps):
         if tc.max_seconds and elapsed >= tc.max_seconds:
             break  # a resumed run whose time budget was already spent
-        t_batch = time.perf_counter()
+        t_batch, done = time.perf_counter(), step + 1
         lr = lr_at(step, tc, elapsed)
-        for group in opt.param_groups:
+        for group in run.opt.param_groups:
             group["lr"] = lr
-        x, y = train_split.batch(tc.batch_size, gen)  # the global batch; this rank takes its rows
-        done = step + 1
+        x, y = run.batch()
         saving = bool(tc.ckpt_every and done % tc.ckpt_every == 0)
-        # Routing metrics only where they are read (a step that ends on the time budget reads
-        # the last logged ones' absence: it logs without them).
         logged = done % tc.log_every == 0 or done % tc.eval_every == 0 or done in (tc.steps, stop_at) or saving
         profiler.begin(done)
         timer.start()
         out = train_step(
-            model,
-            opt,
-            x[rows].to(device, non_blocking=True),
-            y[rows].to(device, non_blocking=True),
-            tc.grad_clip,
-            ctx,
-            objective,
-            precision,
-            tc.grad_accum_steps,
-            metrics=logged,
+            run.model, run.opt, x, y, tc.grad_clip, run.ctx, run.objective, run.precision, tc.grad_accum_steps, logged
         )
         timer.stop()
         profiler.end(done)
         bad_run = torch.where(out.skipped, bad_run + 1, 0)
         worst_run = torch.maximum(worst_run, bad_run)
-        elapsed += time.perf_counter() - t_batch
-        if ctx is not None:  # every rank stops at the same step
-            elapsed = _mean_over_ranks(elapsed, ctx)
+        elapsed = mean_over_ranks(elapsed + time.perf_counter() - t_batch, run.ctx)  # every rank stops alike
         out_of_time = bool(tc.max_seconds and elapsed >= tc.max_seconds) or done == stop_at
-        last = done == tc.steps or out_of_time
-        evaluating = done % tc.eval_every == 0 or last
+        evaluating = done % tc.eval_every == 0 or done == tc.steps or out_of_time
         if not (done % tc.log_every == 0 or evaluating or saving):
             continue
-        # -- a logging step: the host reads what the device computed -------------------------
         result.step_times += timer.read()
-        loss, aux, grad_norm, skipped = (float(t) for t in out)
-        result.train_loss = _mean_over_ranks(loss, ctx)
-        record = {
-            "step": done,
-            "loss": result.train_loss,
-            "aux": _mean_over_ranks(aux, ctx),
-            "lr": lr,
-            "step_time": result.step_times[-1],
-            "elapsed": elapsed,
-            **telemetry.throughput(
-                tc.batch_size * cfg.model.seq_len, flops_per_step, result.step_times[-1], peak_flops * world
-            ),
-            "peak_memory_mb": telemetry.peak_memory_bytes(device) / 2**20,
-            "grad_norm": grad_norm,
-        }
-        if skipped:
-            record["skipped"] = True
-            if rank == 0:
-                tqdm.write(
-                    f"step {done}: non-finite loss or gradient (loss {loss:.4g}, grad norm {grad_norm:.4g}): "
-                    f"skipped, weights unchanged ({int(bad_run)} in a row)"
-                )
-        worst = int(worst_run)
+        record = run.step_record(done, out, lr, elapsed, result.step_times[-1], int(bad_run))
+        result.train_loss = record["loss"]
+        run.stop_if_bad(int(worst_run), record)
         worst_run.zero_()
-        if worst >= tc.max_bad_steps:
-            if log is not None:
-                log.write(json.dumps(record) + "\n")
-                log.close()
-            raise NonFiniteTrainingError(
-                f"{worst} consecutive steps (up to step {done}) had a non-finite loss or gradient "
-                f"(train.max_bad_steps={tc.max_bad_steps}); stopped without writing a checkpoint (the last "
-                f"good one: {checkpoint.latest(ckpt) or 'none'}). Check the data, lower train.lr, or "
-                "raise train.max_bad_steps"
-            )
-        record.update(routing_metrics(model))  # of this training step, before eval overwrites them
-        warnings = health_warnings(record)
-        if warnings:
-            record["warnings"] = warnings
-            if rank == 0:
-                tqdm.write(f"step {done}: router collapse? " + "; ".join(warnings))
-        if evaluating:
-            result.val_loss, _ = evaluate(
-                model, val_split, tc.batch_size, tc.eval_batches, ctx=ctx, precision=precision
-            )
-            record["val_loss"] = result.val_loss
-            point = {"step": done, "seconds": elapsed, "flops": done * flops_per_step, "val_loss": result.val_loss}
-            if causal_eval:
-                result.val_loss_causal, causal_metrics = evaluate(
-                    model, val_split, tc.batch_size, tc.eval_batches, routing="causal", ctx=ctx, precision=precision
-                )
-                point["val_loss_causal"] = record["val_loss_causal"] = result.val_loss_causal
-                record.update({f"{k}@causal_eval": v for k, v in causal_metrics.items() if "causal_share" in k})
-            result.history.append(point)
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            bar.set_postfix(loss=f"{result.train_loss:.3f}", val=f"{result.val_loss:.3f}")
+        run.evaluate_and_record(record, result, evaluating)
         if saving:
             saved = done
-            checkpoint.save(ckpt, model, opt, checkpoint.Progress(done, elapsed), cfg, gen, ctx, tc.keep_checkpoints)
+            run.save(done, elapsed)
         result.steps = done
         if out_of_time:
             break
     result.step_times += timer.read()
-    bar.close()
     profiler.close()
-    if log is not None:
-        log.close()
+    run.log.close()
     if saved != result.steps:
-        progress = checkpoint.Progress(result.steps, elapsed)
-        checkpoint.save(ckpt, model, opt, progress, cfg, gen, ctx, tc.keep_checkpoints)
-    return model, result
+        run.save(result.steps, elapsed)
+    return run.model, result
 
 
 def main(argv: list[str] | None = None) -> None:

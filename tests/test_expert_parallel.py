@@ -143,7 +143,8 @@ def test_torchrun_dp2_ep2_matches_single_process_and_reloads_with_ep1(tmp_path):
     # The workers' first traceback is at the top of stderr; torchrun's summary at the end.
     assert proc.returncode == 0, proc.stderr[:4000] + "\n...\n" + proc.stderr[-1500:]
     from mode.checkpoint import checkpoint_config, load_checkpoint
-    from mode.train import build_optimizer, train
+    from mode.step import build_optimizer
+    from mode.train import train
 
     cfg = load_config(None, [*TRAIN, f"train.out_dir={tmp_path / 'single'}"])
     single_model, _ = train(cfg)

@@ -13,7 +13,9 @@ from mode import checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
 from mode.parallel.mesh import init_mesh
-from mode.train import build_optimizer, prepare_model, train
+from mode.parallel.parallelize import parallelize_model
+from mode.step import build_optimizer
+from mode.train import train
 from tests.dist_utils import run_workers
 from tests.tiny import TINY_MODEL
 
@@ -91,7 +93,7 @@ def reloaded_into_this_layout(rank, dp, ep, root, load_from):
     cfg = config("moe", root, dp=dp, ep=ep)
     ctx = init_mesh(dp, ep, 4)
     torch.manual_seed(123)  # different initial weights: the load must overwrite all of them
-    model = prepare_model(MoDETransformer(cfg.model), cfg, ctx)
+    model = parallelize_model(MoDETransformer(cfg.model), cfg, ctx)
     opt = build_optimizer(model, cfg.train)
     assert checkpoint.load(root / load_from / "moe-global_batch" / "ckpt", model, opt, ctx=ctx).step == 10
     state = full_optimizer_state(model, opt, ctx)

@@ -11,7 +11,8 @@ import mode
 from mode.checkpoint import load_checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
-from mode.train import NonFiniteTrainingError, train
+from mode.step import NonFiniteTrainingError
+from mode.train import train
 from tests.tiny import TINY_MODEL
 
 D = 32
@@ -122,7 +123,7 @@ def test_a_nan_gradient_skips_the_step_and_training_goes_on(tmp_path):
 
 
 def test_a_skipped_step_leaves_weights_and_optimizer_untouched(tmp_path):
-    from mode.train import build_optimizer, train_step
+    from mode.step import build_optimizer, train_step
 
     cfg = load_config(None, [*BASE])
     torch.manual_seed(0)

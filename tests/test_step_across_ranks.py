@@ -15,8 +15,8 @@ from mode.config import load_config
 from mode.experts.moe import MoELayer
 from mode.model import MoDETransformer
 from mode.parallel.mesh import init_mesh
+from mode.parallel.parallelize import parallelize_model
 from mode.step import train_step
-from mode.train import prepare_model
 from tests.dist_utils import run_workers
 from tests.test_train_step import forward_backward_records
 from tests.tiny import TINY_MODEL
@@ -68,7 +68,7 @@ def gradient_worker(rank: int, world: int, dp: int, ep: int, root: str) -> None:
     cfg = step_config("mode_staged", dp, ep)
     ctx = init_mesh(dp, ep, cfg.model.moe.n_experts)
     torch.manual_seed(0)
-    model = prepare_model(MoDETransformer(cfg.model), cfg, ctx)
+    model = parallelize_model(MoDETransformer(cfg.model), cfg, ctx)
     grads = sgd_gradients(model, X[rows_of(rank, world)], Y[rows_of(rank, world)], ctx)
     if rank == 0:
         torch.save(grads, Path(root) / "grads.pt")
@@ -105,7 +105,7 @@ def balance_worker(rank: int, world: int, root: str) -> None:
     cfg = step_config("moe", world, 1)
     ctx = init_mesh(world, 1, cfg.model.moe.n_experts)
     torch.manual_seed(0)
-    model = prepare_model(MoDETransformer(cfg.model), cfg, ctx).train()
+    model = parallelize_model(MoDETransformer(cfg.model), cfg, ctx).train()
     model(skewed_batch()[rows_of(rank, world)])
     lb = balance_losses(model).detach()
     dist.all_reduce(lb)
@@ -138,7 +138,7 @@ def records_worker(rank: int, world: int) -> None:
         cfg = step_config("mode_staged", 1, world, "model.moe.bias_rate=0.01", f"train.activation_checkpoint={mode}")
         ctx = init_mesh(1, world, cfg.model.moe.n_experts)
         torch.manual_seed(0)
-        model = prepare_model(MoDETransformer(cfg.model), cfg, ctx).train()
+        model = parallelize_model(MoDETransformer(cfg.model), cfg, ctx).train()
         records[mode] = forward_backward_records(model, X[rows_of(rank, world)], Y[rows_of(rank, world)])
     assert any(k.endswith("dispatch") for k in records["none"]) and any(k.endswith("pending") for k in records["none"])
     assert records["full"].keys() == records["none"].keys()

@@ -77,7 +77,7 @@ def test_resume_continues_the_time_budget_and_its_schedule(tmp_path):
     """A preempted time-budgeted run resumes with the time it already spent: the learning
     rate continues from where it was (no jump back to the peak), and a run whose budget is
     spent trains no further step when resumed."""
-    from mode.train import lr_at
+    from mode.step import lr_at
 
     base = TINY + ["train.steps=100000", "train.warmup_steps=1", "train.eval_every=100000", f"train.out_dir={tmp_path}"]
     cfg = load_config("dense", base + ["train.max_seconds=600"])

@@ -123,6 +123,15 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
+def mean_over_ranks(value: float, ctx: ParallelContext | None) -> float:
+    """The mean of a host number over all ranks (itself without ``ctx``)."""
+    if ctx is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / ctx.world_size
+
+
 def sum_over_ranks(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
     """Sum each tensor over the ranks of ``group`` (default: all), in place, with one
     all-reduce per dtype (the tensors flattened into one buffer)."""
