@@ -1,7 +1,8 @@
 # Two commands: `make demo` (main job) and `make test`. Both create .venv on first use.
-# On a CPU machine torch is pinned to the local 2.13.0 CPU wheel before anything else is
-# installed, so pip never pulls a CUDA build. GPU users: `make demo TORCH_SPEC=torch` (or
-# install the torch build they want into .venv first; an importable torch is kept).
+# torch is installed first from TORCH_SPEC (unless .venv already imports one), so pip keeps
+# that build when it installs the package. The default pins the version the suite runs on;
+# which build it fetches (CPU or CUDA) depends on the machine and the pip index: see
+# docs/install.md.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -31,7 +32,7 @@ lint: install
 	$(VENV)/bin/ruff check mode tests benchmarks
 
 bench: install
-	$(PY) benchmarks/bench_blocks.py
+	$(PY) -m benchmarks.bench_blocks
 
 # benchmarks/gpu_check.sh's steps on this CPU at small sizes (catches typos before a GPU run).
 gpu-check-cpu: install

@@ -1,7 +1,7 @@
 """MoD block vs dense block: forward+backward time beside the analytic FLOP ratio.
 
-    python benchmarks/bench_blocks.py                 # d 512, 8 heads, seq 1024, batch 4, fp32, CPU
-    python benchmarks/bench_blocks.py --device cuda --dtype bfloat16 --label h200
+    python -m benchmarks.bench_blocks                 # d 512, 8 heads, seq 1024, batch 4, fp32, CPU
+    python -m benchmarks.bench_blocks --device cuda --dtype bfloat16 --label h200
 
 Each capacity is timed in its own round-robin with the dense block (dense, MoD, floor; median
 of repeats after warm-up, see ``common.interleaved_median_times``), so each ratio divides two
@@ -21,7 +21,7 @@ and are page-faulted afresh every step (``faults/step``), which slows the dense 
 several percent. To keep freed memory in the heap (the setting is recorded in the JSON):
 
     GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296 \
-        python benchmarks/bench_blocks.py --label tuned-malloc
+        python -m benchmarks.bench_blocks --label tuned-malloc
 
 Targets: MoD at capacity 0.125 <= 0.11x dense; at every capacity time ratio <= 1.15x FLOP ratio.
 """
@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from benchmarks.common import (
     add_compare_option,
     fwd_bwd_step,
     interleaved_median_times,
@@ -46,12 +43,11 @@ from common import (  # noqa: E402
     print_table,
     write_json,
 )
-
-from mode.config import load_config  # noqa: E402
-from mode.flops import block_flops  # noqa: E402
-from mode.layers.blocks import DenseBlock  # noqa: E402
-from mode.layers.mod import MoDBlock  # noqa: E402
-from mode.routing.mod_topk import capacity_to_k  # noqa: E402
+from mode.config import load_config
+from mode.flops import block_flops
+from mode.layers.blocks import DenseBlock
+from mode.layers.mod import MoDBlock
+from mode.routing.mod_topk import capacity_to_k
 
 
 class InnerOnly(torch.nn.Module):

@@ -1,8 +1,8 @@
 """Expert-parallel dispatch on gloo ranks: bytes sent by the all-to-all (counted, and the
 analytic formula), and step time, for plain MoE and staged MoDE (capacity 0.125).
 
-    python benchmarks/bench_ep.py                 # 2 and 4 ranks on this machine
-    python benchmarks/bench_ep.py --ranks 2 --steps 5
+    python -m benchmarks.bench_ep                 # 2 and 4 ranks on this machine
+    python -m benchmarks.bench_ep --ranks 2 --steps 5
 
 Counted bytes are the forward all-to-all rows this rank sent to other ranks (dispatch and
 combine), times the row size; the backward sends the same again. Analytic, for uniform
@@ -17,7 +17,6 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,13 +24,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_compare_option, load_run, print_comparison, print_table, write_json  # noqa: E402
-
-from mode.config import load_config  # noqa: E402
-from mode.model import MoDETransformer  # noqa: E402
-from mode.parallel.expert_parallel import dispatch_stats, parallelize, reset_dispatch_stats  # noqa: E402
-from mode.parallel.mesh import destroy, init_mesh  # noqa: E402
+from benchmarks.common import add_compare_option, load_run, print_comparison, print_table, write_json
+from mode.config import load_config
+from mode.model import MoDETransformer
+from mode.parallel.expert_parallel import dispatch_stats, parallelize, reset_dispatch_stats
+from mode.parallel.mesh import destroy, init_mesh
 
 MODEL = [
     "model.d_model=256",

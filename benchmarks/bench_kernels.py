@@ -1,7 +1,7 @@
 """Our Triton kernels (``mode.kernels``) against the torch paths they replace: time, GB/s, TFLOP/s.
 
-    python benchmarks/bench_kernels.py --device cuda --dtype bfloat16 --label h200   # the issue's sizes
-    python benchmarks/bench_kernels.py --device cpu --small                          # torch paths only
+    python -m benchmarks.bench_kernels --device cuda --dtype bfloat16 --label h200   # the issue's sizes
+    python -m benchmarks.bench_kernels --device cpu --small                          # torch paths only
 
 - MoD (batch 8, T 4096, d 2048, capacity 0.125 by default): the chosen-row gather, and the
   gated scatter ``x + g * y`` forward + backward (gradients of g and y). GB/s counts the bytes
@@ -25,22 +25,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 # NOTE: the interpreter must be chosen before any kernel module is imported.
 if "--interpret-smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_median_times, print_table, write_json  # noqa: E402
-
-from mode.experts.grouped_gemm import get_backend  # noqa: E402
-from mode.experts.permute import combine, permute, sort_by_expert  # noqa: E402
-from mode.kernels import triton_unavailable_reason  # noqa: E402
-from mode.routing.mod_topk import add_gated_tokens, capacity_to_k, take_tokens, token_rows  # noqa: E402
+from benchmarks.common import interleaved_median_times, print_table, write_json
+from mode.experts.grouped_gemm import get_backend
+from mode.experts.permute import combine, permute, sort_by_expert
+from mode.kernels import triton_unavailable_reason
+from mode.routing.mod_topk import add_gated_tokens, capacity_to_k, take_tokens, token_rows
 
 NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, vendor figures
 

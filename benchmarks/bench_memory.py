@@ -1,7 +1,7 @@
 """Activation memory of MoD vs dense, layer and model, across sequence lengths (CPU or CUDA).
 
-    python benchmarks/bench_memory.py                       # seq 1024-8192, d 256, batch 1
-    python benchmarks/bench_memory.py --seqs 1024 2048 --label short
+    python -m benchmarks.bench_memory                       # seq 1024-8192, d 256, batch 1
+    python -m benchmarks.bench_memory --seqs 1024 2048 --label short
 
 Two measures of one training step (forward + backward), both exact on any device:
 
@@ -19,7 +19,6 @@ Writes ``results/memory[-label].json`` and ``results/memory[-label].png``.
 from __future__ import annotations
 
 import argparse
-import sys
 import weakref
 from pathlib import Path
 
@@ -27,15 +26,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_compare_option, load_run, print_comparison, print_table, result_path, write_json  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mode.config import load_config  # noqa: E402
-from mode.layers.blocks import DenseBlock  # noqa: E402
-from mode.layers.mod import MoDBlock  # noqa: E402
-from mode.model import MoDETransformer  # noqa: E402
-from mode.routed import aux_loss  # noqa: E402
+from benchmarks.common import add_compare_option, load_run, print_comparison, print_table, result_path, write_json
+from mode.config import load_config
+from mode.layers.blocks import DenseBlock
+from mode.layers.mod import MoDBlock
+from mode.model import MoDETransformer
+from mode.routed import aux_loss
 
 TARGET = 0.3
 MiB = 2**20

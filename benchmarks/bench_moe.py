@@ -1,7 +1,7 @@
 """MoE MLP layer: dropless (each backend) vs capacity MoE vs a dense MLP of equal active FLOPs.
 
-    python benchmarks/bench_moe.py                       # d 512, ffn 1024/expert, E 8, top-2, 8192 tokens
-    python benchmarks/bench_moe.py --dtypes bfloat16 --device cuda --label h200
+    python -m benchmarks.bench_moe                       # d 512, ffn 1024/expert, E 8, top-2, 8192 tokens
+    python -m benchmarks.bench_moe --dtypes bfloat16 --device cuda --label h200
 
 Forward+backward time, median of repeats after warm-up, all candidates timed round-robin;
 every ratio is to the dense MLP (hidden top_k * ffn) of the same dtype. Cases: "balanced"
@@ -21,14 +21,11 @@ Targets (balanced): dropless(auto) <= 0.85x capacity MoE at cf 1.25, and <= 1.10
 from __future__ import annotations
 
 import argparse
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from benchmarks.common import (
     add_compare_option,
     fwd_bwd_step,
     interleaved_median_times,
@@ -37,11 +34,10 @@ from common import (  # noqa: E402
     print_table,
     write_json,
 )
-
-from mode.experts.grouped_gemm import BACKENDS, resolve_name, unavailable_reason  # noqa: E402
-from mode.experts.moe import CapacityMoE, DroplessMoE  # noqa: E402
-from mode.experts.permute import sort_by_expert  # noqa: E402
-from mode.layers.mlp import MLP  # noqa: E402
+from mode.experts.grouped_gemm import BACKENDS, resolve_name, unavailable_reason
+from mode.experts.moe import CapacityMoE, DroplessMoE
+from mode.experts.permute import sort_by_expert
+from mode.layers.mlp import MLP
 
 DENSE = "dense MLP (same active FLOPs)"
 FLOOR = "experts only (GEMMs+GELU)"

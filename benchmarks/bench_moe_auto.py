@@ -1,7 +1,7 @@
 """Where ``backend="auto"`` should switch from grouped GEMMs to ``chunked`` on CPU.
 
-    python benchmarks/bench_moe_auto.py               # fp32 + bf16, d 256/512/1024, 512-8192 tokens
-    python benchmarks/bench_moe_auto.py --quick       # fewer sizes
+    python -m benchmarks.bench_moe_auto               # fp32 + bf16, d 256/512/1024, 512-8192 tokens
+    python -m benchmarks.bench_moe_auto --quick       # fewer sizes
 
 For each (dtype, d_model, tokens) a ``DroplessMoE`` (8 experts, top-2, ffn 4d/top_k) runs one
 training step's forward + backward with the ``chunked`` backend and with the grouped
@@ -15,14 +15,11 @@ miss when auto picks the slower one by more than 5%.
 from __future__ import annotations
 
 import argparse
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from benchmarks.common import (
     add_compare_option,
     fwd_bwd_step,
     interleaved_median_times,
@@ -31,9 +28,8 @@ from common import (  # noqa: E402
     print_table,
     write_json,
 )
-
-from mode.experts.grouped_gemm import CHUNKED_MIN_BYTES, resolve_name  # noqa: E402
-from mode.experts.moe import DroplessMoE  # noqa: E402
+from mode.experts.grouped_gemm import CHUNKED_MIN_BYTES, resolve_name
+from mode.experts.moe import DroplessMoE
 
 FULL = [(d, n) for d in (256, 512) for n in (512, 1024, 2048, 4096, 8192)] + [(1024, 1536), (1024, 4096)]
 QUICK = [(256, 1024), (512, 2048), (512, 8192)]

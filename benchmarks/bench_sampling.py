@@ -1,9 +1,9 @@
 """Causal sampling: decision accuracy, causal vs top-k loss, decode speed, KV-cache size, and
 how routing errors compound with depth and position.
 
-    python benchmarks/bench_sampling.py                   # trains mod (predictor) and mod (router_bce)
-    python benchmarks/bench_sampling.py --seconds 300     # longer training per variant
-    python benchmarks/bench_sampling.py --checkpoint runs/compare/mod/ckpt.pt   # reuse compare.py's model
+    python -m benchmarks.bench_sampling                   # trains mod (predictor) and mod (router_bce)
+    python -m benchmarks.bench_sampling --seconds 300     # longer training per variant
+    python -m benchmarks.bench_sampling --checkpoint runs/compare/mod/ckpt.pt   # reuse compare.py's model
 
 (1) per-layer decision accuracy / recall against the top-k labels (predictor and router BCE);
 (2) validation loss in top-k vs causal mode; (3) decode tokens/s with the KV cache, MoD vs a
@@ -18,23 +18,28 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, add_compare_option, load_run, print_comparison, print_table, result_path, write_json  # noqa: E402
-
-from mode.checkpoint import checkpoint_config, load_checkpoint  # noqa: E402
-from mode.config import load_config  # noqa: E402
-from mode.data import load_splits  # noqa: E402
-from mode.layers.mod import MoDBlock  # noqa: E402
-from mode.model import MoDETransformer  # noqa: E402
-from mode.routing.mod_topk import expert_choice_topk  # noqa: E402
-from mode.train import evaluate, train  # noqa: E402
+from benchmarks.common import (
+    RESULTS_DIR,
+    add_compare_option,
+    load_run,
+    print_comparison,
+    print_table,
+    result_path,
+    write_json,
+)
+from mode.checkpoint import checkpoint_config, load_checkpoint
+from mode.config import load_config
+from mode.data import load_splits
+from mode.layers.mod import MoDBlock
+from mode.model import MoDETransformer
+from mode.routing.mod_topk import expert_choice_topk
+from mode.train import evaluate, train
 
 
 def trained_mod(method: str, seconds: float, checkpoint: str | None, overrides: list[str]) -> MoDETransformer:

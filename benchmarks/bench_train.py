@@ -2,8 +2,8 @@
 bf16 eager and bf16 compiled, side by side in one round-robin, beside a nanoGPT-shaped GPT of
 the same size (``nanogpt_ref.py``) and our dense model without RoPE (what RoPE costs).
 
-    python benchmarks/bench_train.py                  # batch 8 x 256, 8 layers, d 320 (CPU)
-    python benchmarks/bench_train.py --device cuda --modes bf16_eager bf16_compiled
+    python -m benchmarks.bench_train                  # batch 8 x 256, 8 layers, d 320 (CPU)
+    python -m benchmarks.bench_train --device cuda --modes bf16_eager bf16_compiled
 
 Reports ms/step, tokens/s, MFU (against a matmul peak of the mode's dtype measured here, as
 ``mode.telemetry``), peak memory of one step (bytes held by tensors made during the step; CUDA:
@@ -16,25 +16,20 @@ Reports ms/step, tokens/s, MFU (against a matmul peak of the mode's dtype measur
 from __future__ import annotations
 
 import argparse
-import sys
 import types
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_median_times, print_table, write_json  # noqa: E402
-from nanogpt_ref import GPT  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mode.compile import compile_blocks  # noqa: E402
-from mode.config import load_config  # noqa: E402
-from mode.flops import train_flops_per_step  # noqa: E402
-from mode.layers.attention import CausalSelfAttention  # noqa: E402
-from mode.model import MoDETransformer  # noqa: E402
-from mode.precision import PRECISION_DTYPES, autocast  # noqa: E402
-from mode.step import build_optimizer, train_step  # noqa: E402
-from mode.telemetry import measure_peak_flops  # noqa: E402
+from benchmarks.common import interleaved_median_times, print_table, write_json
+from benchmarks.nanogpt_ref import GPT
+from mode.compile import compile_blocks
+from mode.config import load_config
+from mode.flops import train_flops_per_step
+from mode.layers.attention import CausalSelfAttention
+from mode.model import MoDETransformer
+from mode.precision import PRECISION_DTYPES, autocast
+from mode.step import build_optimizer, train_step
+from mode.telemetry import measure_peak_flops
 
 PRESETS = [
     "dense",
@@ -120,7 +115,7 @@ def step_peak_bytes(step, x, y, precision: str, device: torch.device) -> int | N
         step(x, y, precision)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    from bench_memory import PeakTensorMemory  # noqa: PLC0415
+    from benchmarks.bench_memory import PeakTensorMemory  # noqa: PLC0415
 
     with PeakTensorMemory() as mem:
         step(x, y, precision)

@@ -1,11 +1,11 @@
 """Train every preset on the embedded corpus for the same wall-clock budget and compare.
 
-    python benchmarks/compare.py                  # 10 minutes per preset on this machine
-    python benchmarks/compare.py --quick          # 1 minute per preset
-    python benchmarks/compare.py --seconds 240 --presets dense mod --label short
-    python benchmarks/compare.py --timing-only    # step times of fresh models, side by side (~2 min)
-    python benchmarks/compare.py --seeds 3        # each preset with 3 seeds, claims with 95% intervals
-    python benchmarks/compare.py --data my.txt    # the ranking on your own text (bytes)
+    python -m benchmarks.compare                  # 10 minutes per preset on this machine
+    python -m benchmarks.compare --quick          # 1 minute per preset
+    python -m benchmarks.compare --seconds 240 --presets dense mod --label short
+    python -m benchmarks.compare --timing-only    # step times of fresh models, side by side (~2 min)
+    python -m benchmarks.compare --seeds 3        # each preset with 3 seeds, claims with 95% intervals
+    python -m benchmarks.compare --data my.txt    # the ranking on your own text (bytes)
 
 Per variant: parameters, active parameters, training FLOPs per step, median step time in its
 own run, steps done, final validation loss (bits per byte) in top-k and in causal routing mode.
@@ -23,20 +23,18 @@ and initialisation), seed by seed round-robin over the presets, so machine drift
 land on one variant. The table gives mean and standard deviation; each loss claim is judged
 from the per-seed paired differences (mean and 95% t interval, ``benchmarks/stats.py``):
 ``holds``, ``reversed`` or ``not shown``. ``--write-readme`` puts the claim table generated
-from the JSON into README.md between its ``claims`` markers.
+from the JSON into docs/benchmarks.md between its ``claims`` markers.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from benchmarks.common import (
     add_compare_option,
     interleaved_median_times,
     load_run,
@@ -45,15 +43,14 @@ from common import (  # noqa: E402
     result_path,
     write_json,
 )
-from stats import paired_interval, summarize, verdict  # noqa: E402
-
-from mode.config import Config, load_config  # noqa: E402
-from mode.data import load_splits  # noqa: E402
-from mode.flops import active_params, train_flops_per_step  # noqa: E402
-from mode.layers.kinds import BLOCK_KINDS  # noqa: E402
-from mode.model import MoDETransformer  # noqa: E402
-from mode.step import build_optimizer, train_step  # noqa: E402
-from mode.train import train  # noqa: E402
+from benchmarks.stats import paired_interval, summarize, verdict
+from mode.config import Config, load_config
+from mode.data import load_splits
+from mode.flops import active_params, train_flops_per_step
+from mode.layers.kinds import BLOCK_KINDS
+from mode.model import MoDETransformer
+from mode.step import build_optimizer, train_step
+from mode.train import train
 
 PRESETS = [*BLOCK_KINDS, "early_exit"]  # every block kind has a preset of its name; early exit is dense + exits
 BPB = 1 / math.log(2)
@@ -230,10 +227,10 @@ def main() -> None:
     p.add_argument(
         "--write-readme",
         nargs="?",
-        const="README.md",
+        const="docs/benchmarks.md",
         default=None,
-        metavar="README",
-        help="write the claim table into README.md (or the given file) between its claims markers",
+        metavar="FILE",
+        help="write the claim table into docs/benchmarks.md (or the given file) between its claims markers",
     )
     p.add_argument("overrides", nargs="*", help="dotlist overrides for every preset, e.g. train.batch_size=4")
     add_compare_option(p)

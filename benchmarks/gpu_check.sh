@@ -76,13 +76,13 @@ if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cu
 fi
 
 step cuda-tests "${LIMITS[0]}" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/
-step bench-kernels "${LIMITS[1]}" "$PY" benchmarks/bench_kernels.py --dtype bfloat16 $KERNELS_ARGS
-step bench-moe "${LIMITS[2]}" "$PY" benchmarks/bench_moe.py --dtypes bfloat16 $MOE_ARGS
-step bench-blocks "${LIMITS[3]}" "$PY" benchmarks/bench_blocks.py --dtype bfloat16 $BLOCKS_ARGS
-step bench-train "${LIMITS[4]}" "$PY" benchmarks/bench_train.py $TRAIN_ARGS --label d1024
-step bench-train-gpt2 "${LIMITS[5]}" "$PY" benchmarks/bench_train.py $GPT2_ARGS --label gpt2-small
-step profile "${LIMITS[6]}" "$PY" benchmarks/profile_step.py $PROFILE_ARGS
-"$PY" benchmarks/gpu_verdicts.py "$OUT" >"$OUT/verdicts.txt" 2>&1 || status=1
+step bench-kernels "${LIMITS[1]}" "$PY" -m benchmarks.bench_kernels --dtype bfloat16 $KERNELS_ARGS
+step bench-moe "${LIMITS[2]}" "$PY" -m benchmarks.bench_moe --dtypes bfloat16 $MOE_ARGS
+step bench-blocks "${LIMITS[3]}" "$PY" -m benchmarks.bench_blocks --dtype bfloat16 $BLOCKS_ARGS
+step bench-train "${LIMITS[4]}" "$PY" -m benchmarks.bench_train $TRAIN_ARGS --label d1024
+step bench-train-gpt2 "${LIMITS[5]}" "$PY" -m benchmarks.bench_train $GPT2_ARGS --label gpt2-small
+step profile "${LIMITS[6]}" "$PY" -m benchmarks.profile_step $PROFILE_ARGS
+"$PY" -m benchmarks.gpu_verdicts "$OUT" >"$OUT/verdicts.txt" 2>&1 || status=1
 cat "$OUT/verdicts.txt"
 echo "results in $OUT:"
 ls "$OUT"

@@ -2,7 +2,7 @@
 ``gpu_check.sh`` leaves in one folder (``train-*.json``, ``profile.json``, ``moe.json``,
 ``blocks.json``, ``kernels.json``). Prints a table and writes ``verdicts.json`` there.
 
-    python benchmarks/gpu_verdicts.py benchmarks/results/gpu
+    python -m benchmarks.gpu_verdicts benchmarks/results/gpu
 
 A target whose measurement is absent (a step that failed or timed out) is listed as
 "not measured", never as met.
@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table  # noqa: E402
+from benchmarks.common import print_table
 
 # ratio of bench_train step times -> the largest value that meets the target
 TRAIN_TARGETS = {

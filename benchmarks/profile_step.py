@@ -2,8 +2,8 @@
 (the same step as ``bench_train.py``), the top ops by self time, the device's busy share of
 the wall-clock (CUDA), and the host syncs per step with the Python lines that cause them.
 
-    python benchmarks/profile_step.py --presets dense mod              # CPU, bench_train's size
-    python benchmarks/profile_step.py --device cuda --presets dense mod moe \\
+    python -m benchmarks.profile_step --presets dense mod              # CPU, bench_train's size
+    python -m benchmarks.profile_step --device cuda --presets dense mod moe \\
         --batch 16 --seq 1024 --layers 8 --d-model 1024 --n-heads 16
 
 A step whose device is busy for much less than its wall-clock is bound by the host: kernel
@@ -14,7 +14,6 @@ queueing work ahead of the device. Writes ``results/profile[-label].json``.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import traceback
 import warnings
@@ -23,9 +22,8 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import PRESETS, build  # noqa: E402
-from common import print_table, write_json  # noqa: E402
+from benchmarks.bench_train import PRESETS, build
+from benchmarks.common import print_table, write_json
 
 # Host-side events that wait for the device (CUDA) or read a tensor's value on the host.
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")

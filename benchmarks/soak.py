@@ -2,8 +2,8 @@
 embedded corpus, watching that the loss stays finite and the routing healthy (no router
 collapse warning, no skipped step). Minutes, not for CI.
 
-    python benchmarks/soak.py                       # 2000 steps of every preset
-    python benchmarks/soak.py --steps 200 --presets mod moe
+    python -m benchmarks.soak                       # 2000 steps of every preset
+    python -m benchmarks.soak --steps 200 --presets mod moe
 
 Prints one row per preset (first and last logged loss, skipped steps, warnings, the last
 routing health figures) and writes ``results/soak[-label].json``.
@@ -14,17 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mode.config import load_config  # noqa: E402
-from mode.train import train  # noqa: E402
+from benchmarks.common import print_table, write_json
+from mode.config import load_config
+from mode.train import train
 
 PRESETS = ["dense", "mod", "mod_random", "moe", "moe_capacity", "mode_staged", "mode_integrated", "early_exit"]
 TEST_SIZE = ["model.d_model=64", "model.n_heads=4", "model.n_layers=4", "model.seq_len=64", "model.moe.n_experts=4"]

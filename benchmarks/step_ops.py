@@ -4,8 +4,8 @@ launches), and the sync-class ops (host reads
 of device values, data-dependent shapes) with the Python line of each, beside nanoGPT's step
 (``nanogpt_ref.py`` with the fused AdamW it uses on a GPU) at the same size.
 
-    python benchmarks/step_ops.py                      # 4 layers, d 64, batch 4 x 64
-    python benchmarks/step_ops.py --presets dense mod --layers 8
+    python -m benchmarks.step_ops                      # 4 layers, d 64, batch 4 x 64
+    python -m benchmarks.step_ops --presets dense mod --layers 8
 
 The step is ``mode.step.train_step`` after one warm-up step (optimizer state exists), with
 the expert backend a CUDA run resolves to (``torch`` grouped_mm: the CPU's ``auto`` would
@@ -16,21 +16,16 @@ the GPU-step issue, held by ``tests/test_step_ops.py``. Writes ``results/ops[-la
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
-from nanogpt_ref import GPT  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mode.config import load_config  # noqa: E402
-from mode.model import MoDETransformer  # noqa: E402
-from mode.opcount import OpCounter  # noqa: E402
-from mode.precision import autocast  # noqa: E402
-from mode.step import build_optimizer, train_step  # noqa: E402
+from benchmarks.common import print_table, write_json
+from benchmarks.nanogpt_ref import GPT
+from mode.config import load_config
+from mode.model import MoDETransformer
+from mode.opcount import OpCounter
+from mode.precision import autocast
+from mode.step import build_optimizer, train_step
 
 PRESETS = ["dense", "mod", "mod_random", "moe", "moe_capacity", "mode_staged", "mode_integrated", "early_exit"]
 # ratio name -> (numerator, denominator, bound): ops per step, side by side.

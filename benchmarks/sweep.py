@@ -2,10 +2,10 @@
 layouts, the random-routing control and early exit, each point's validation loss against its
 decode latency per token (batch 1, KV cache) and its training step time.
 
-    python benchmarks/sweep.py                        # the full sweep, one seed (~33 min on the 2-core VM)
-    python benchmarks/sweep.py --seeds 2              # the README's run (64 min)
-    python benchmarks/sweep.py --seconds 120 --seeds 2
-    python benchmarks/sweep.py --families mod --capacities 0.5 0.125 --layouts every_other
+    python -m benchmarks.sweep                        # the full sweep, one seed (~33 min on the 2-core VM)
+    python -m benchmarks.sweep --seeds 2              # the README's run (64 min)
+    python -m benchmarks.sweep --seconds 120 --seeds 2
+    python -m benchmarks.sweep --families mod --capacities 0.5 0.125 --layouts every_other
 
 Points (one training run each, the same script and budget for every point):
   dense                          the reference (every block, every token);
@@ -30,20 +30,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_median_times, print_table, result_path, write_json  # noqa: E402
-from stats import summarize  # noqa: E402
-
-from mode.config import Config, load_config  # noqa: E402
-from mode.data import load_splits  # noqa: E402
-from mode.flops import train_flops_per_step  # noqa: E402
-from mode.model import MoDETransformer  # noqa: E402
-from mode.train import evaluate, train  # noqa: E402
+from benchmarks.common import interleaved_median_times, print_table, result_path, write_json
+from benchmarks.stats import summarize
+from mode.config import Config, load_config
+from mode.data import load_splits
+from mode.flops import train_flops_per_step
+from mode.model import MoDETransformer
+from mode.train import evaluate, train
 
 BPB = 1 / math.log(2)
 LAYOUTS = {"every": "{kind}", "every_other": "dense,{kind}", "every_fourth": "dense,dense,dense,{kind}"}

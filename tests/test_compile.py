@@ -18,6 +18,8 @@ from mode.step import build_optimizer, train_step
 from mode.train import train
 from tests.tiny import TINY_MODEL
 
+pytestmark = pytest.mark.slow  # torch.compile
+
 # Every block kind of every preset, in one model: each kind is compiled once.
 EVERY_KIND = "dense,mod,mod_random,moe,moe_capacity,mode_staged,mode_integrated"
 SMALL = TINY_MODEL  # the every-kind model overrides n_layers

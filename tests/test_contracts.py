@@ -3,6 +3,7 @@ for one of them (the list is in the reliability issue; the mutants are named per
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -122,6 +123,7 @@ def a2a_worker(rank: int, world: int, out_dir: str) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_all_to_all_backward_takes_the_reverse_route(tmp_path):
     """Mutant: the all-to-all backward with its split sizes swapped."""
     run_workers(a2a_worker, 2, str(tmp_path))

@@ -16,6 +16,8 @@ import torch
 from mode.checkpoint import latest
 from tests.test_resume import CFG, ROOT, descendants, final_state
 
+pytestmark = pytest.mark.slow  # torchrun with a killed rank
+
 NPROC = 4
 
 

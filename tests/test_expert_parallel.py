@@ -18,6 +18,8 @@ from mode.parallel.mesh import check_sizes, init_mesh
 from tests.dist_utils import run_workers
 from tests.tiny import TINY_MODEL
 
+pytestmark = pytest.mark.slow  # real gloo process groups and torchrun
+
 D, F_, E, N_PER_RANK = 16, 32, 8, 12
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,6 +19,8 @@ from mode.train import train
 from tests.dist_utils import run_workers
 from tests.tiny import TINY_MODEL
 
+pytestmark = pytest.mark.slow  # real gloo process groups
+
 PRESETS = ["moe", "mode_staged", "mode_integrated"]
 SMALL = [
     *TINY_MODEL,

@@ -24,6 +24,8 @@ if triton_missing_reason():
 
 from mode.kernels import mod_tokens, scatter_gemm  # noqa: E402  (imports triton)
 
+pytestmark = pytest.mark.slow  # Triton kernels under the interpreter
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -45,6 +45,7 @@ def test_unknown_kind_suggests_the_closest():
         load_config(None, ["model.layout=dense,mode_stagde"])
 
 
+@pytest.mark.slow
 def test_presets_load_from_a_built_wheel(tmp_path):
     """``load_config("<preset>")`` works from a plain (non-editable) install: the presets are
     package data. The wheel is built here and its copy of ``mode`` imported instead of the clone."""

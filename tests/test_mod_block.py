@@ -113,6 +113,7 @@ def test_chosen_token_attention_equals_restricted_dense_attention():
     assert (wrong - sub).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph():
     blk = make_block(0.25)
     x = torch.randn(2, 16, D)

@@ -286,6 +286,7 @@ def test_shared_expert_and_swiglu(mlp):
     assert out.shape == x.shape
 
 
+@pytest.mark.slow
 def test_moe_block_torch_compile():
     blk = MoEBlock(D, 4, make(backend="torch"))
     x = torch.randn(2, 8, D)
@@ -310,6 +311,7 @@ def test_auto_backend_on_cpu_chooses_by_size():
     torch.testing.assert_close(layer(x), chunked(x), **TOL)
 
 
+@pytest.mark.slow
 def test_moe_block_torch_compile_chunked_backend():
     """Compiled, ``chunked`` takes the grouped path (static shapes); eager takes chunked."""
     layer = make(backend="chunked")

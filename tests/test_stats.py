@@ -1,12 +1,8 @@
 """The comparison statistics (benchmarks/stats.py) on hand-computed inputs."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from stats import paired_interval, summarize, t_quantile_975, verdict  # noqa: E402
+from benchmarks.stats import paired_interval, summarize, t_quantile_975, verdict
 
 
 def test_summarize_by_hand():

@@ -21,6 +21,8 @@ from tests.dist_utils import run_workers
 from tests.test_train_step import forward_backward_records
 from tests.tiny import TINY_MODEL
 
+pytestmark = pytest.mark.slow  # real gloo process groups
+
 GEN = torch.Generator().manual_seed(11)
 X = torch.randint(0, 256, (8, 32), generator=GEN)
 Y = torch.randint(0, 256, (8, 32), generator=GEN)

@@ -2,16 +2,11 @@
 reads nothing on the host, and dispatches few ops next to nanoGPT's step. The counter itself
 is checked on code whose syncs are known, so a zero means something."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks.step_ops import BOUNDS, PRESETS, count_step
 from mode.opcount import OpCounter
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from step_ops import BOUNDS, PRESETS, count_step  # noqa: E402
 
 
 @pytest.mark.parametrize(
