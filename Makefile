@@ -22,11 +22,13 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m mode.demo --seconds $(DEMO_SECONDS)
 
+# Tests run on every core (pytest-xdist); the fast tier leaves out the tests marked slow
+# (multi-process, subprocess, torch.compile, Triton interpreter).
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n auto --durations=15
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check mode tests benchmarks

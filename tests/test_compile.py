@@ -1,6 +1,10 @@
-"""``train.compile``: blocks compiled one by one give the eager step's losses, and after
-warm-up a step compiles nothing new (no recompiles, though the dropless MoE's expert sizes
-and the routed token counts change every step)."""
+"""``train.compile``: every block kind compiles whole (``fullgraph=True``: a graph break
+raises) and gives eager's values and every gradient; compiled blocks give the eager step's
+losses, and after warm-up a step compiles nothing new (no recompiles, though the dropless
+MoE's expert sizes and the routed token counts change every step).
+
+One model holds every block kind, so each kind is compiled once for all the checks (a cold
+compile of a block costs seconds on a CPU)."""
 
 import copy
 import json
@@ -10,11 +14,10 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from mode.compile import compile_block, compile_blocks
+from mode.compile import compile_blocks
 from mode.config import load_config
 from mode.model import MoDETransformer
-from mode.routed import aux_loss
-from mode.step import build_optimizer, train_step
+from mode.step import LMObjective, build_optimizer, train_step
 from mode.train import train
 from tests.tiny import TINY_MODEL
 
@@ -30,8 +33,7 @@ SMALL = TINY_MODEL  # the every-kind model overrides n_layers
 WARMUP, AFTER, MAX_WARMUP_RECOMPILES = 6, 6, 4
 
 
-@pytest.mark.slow
-def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup():
+def test_every_kind_compiles_whole_matches_eager_and_stops_compiling_after_warmup():
     torch._dynamo.reset()
     counters.clear()
     layout = [f"model.layout={EVERY_KIND}", "model.n_layers=7", "model.moe.n_noop=4", "model.mod.causal=predictor"]
@@ -39,7 +41,25 @@ def test_compiled_blocks_match_eager_and_stop_compiling_after_warmup():
     torch.manual_seed(0)
     eager = MoDETransformer(cfg.model)
     compiled = copy.deepcopy(eager)
-    compile_blocks(compiled)
+    compile_blocks(compiled, fullgraph=True)  # each kind whole: a graph break raises
+    # Values and every gradient (LM loss and every router's auxiliary losses), before any step.
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(2))
+    grads, losses = [], []
+    for model in (eager, compiled):
+        torch.manual_seed(1)  # random routing draws the same tokens
+        loss, aux = LMObjective(model)(x, x)
+        (loss + aux).backward()
+        losses.append(torch.stack([loss, aux]).detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-4)
+    for name, g in grads[0].items():
+        got = grads[1][name]
+        if g is None:  # a compiled graph returns zeros where eager leaves None
+            assert got is None or not got.any(), name
+            continue
+        torch.testing.assert_close(got, g, atol=1e-5, rtol=1e-4, msg=name)
+    assert {n.split(".")[1] for n in grads[0] if n.startswith("blocks.")} == {str(i) for i in range(7)}
     opts = build_optimizer(eager, cfg.train), build_optimizer(compiled, cfg.train)
     gen = torch.Generator().manual_seed(1)
     after_warmup = None
@@ -71,39 +91,3 @@ def test_train_compile_flag_trains(tmp_path):
     assert all(b._compiled_call_impl is not None for b in model.blocks)  # nn.Module.compile in place
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
-
-
-# Each block kind compiles whole: ``fullgraph=True`` (a graph break raises) and trains equal
-# to eager, forward and every gradient, with static shapes.
-KINDS = ["dense", "mod", "mod_random", "moe", "moe_capacity", "mode_staged", "mode_integrated"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
-def test_every_block_kind_compiles_with_fullgraph(kind):
-    from mode.layers.kinds import build_block
-
-    torch._dynamo.reset()
-    overrides = [*SMALL, f"model.layout={EVERY_KIND}", "model.n_layers=7", "model.moe.n_noop=4"]
-    overrides += ["model.mod.causal=predictor", "model.moe.backend=torch"]
-    cfg = load_config(None, overrides)
-    torch.manual_seed(0)
-    eager = build_block(kind, cfg.model)
-    compiled = copy.deepcopy(eager)
-    compile_block(compiled, fullgraph=True)  # a graph break raises
-    x = torch.randn(2, 32, cfg.model.d_model)
-    grads = []
-    for block in (eager, compiled):
-        torch.manual_seed(1)  # random routing draws the same tokens
-        out = block(x)
-        (out.square().sum() + aux_loss(block)).backward()  # the routers' losses reach them too
-        grads.append({n: p.grad for n, p in block.named_parameters()})
-        if block is eager:
-            ref = out
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
-    for name, g in grads[0].items():
-        got = grads[1][name]
-        if g is None:  # a compiled graph returns zeros where eager leaves None
-            assert got is None or not got.any(), name
-            continue
-        torch.testing.assert_close(got, g, atol=1e-5, rtol=1e-4, msg=name)

@@ -12,11 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from mode.checkpoint import latest, load_checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
+
+pytestmark = pytest.mark.slow  # training runs in subprocesses, killed with SIGKILL
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 16
