@@ -84,9 +84,9 @@ def mod_candidates(inp: dict, use_triton: bool) -> dict[str, callable]:
 
         def triton_scatter():
             gate.grad = update.grad = None
-            mod_tokens.add_gated_tokens(x, rows, gate, update).backward(grad)
+            add_gated_tokens(x, indices, gate.view(B, k), update.view(B, k, D), rows, mod_tokens).backward(grad)
 
-        fns["mod gather | triton"] = lambda: mod_tokens.take_tokens(x, rows)[0]
+        fns["mod gather | triton"] = lambda: take_tokens(x, indices, rows, mod_tokens)[0]
         fns["mod gated scatter fwd+bwd | triton"] = triton_scatter
     return fns
 
@@ -158,11 +158,12 @@ def smoke_test() -> list[str]:
     lines = []
     inp = mod_inputs(2, 16, 40, 0.25, torch.float32, "cpu")
     ref_sel = take_tokens(inp["x"], inp["indices"], inp["rows"])[0]
-    ok = torch.equal(ref_sel, mod_tokens.take_tokens(inp["x"], inp["rows"])[0])
+    ok = torch.equal(ref_sel, take_tokens(inp["x"], inp["indices"], inp["rows"], mod_tokens)[0])
     lines.append(f"mod gather: {'equal' if ok else 'DIFFERENT'}")
     B, k, D = 2, inp["k"], 40
     a = add_gated_tokens(inp["x"], inp["indices"], inp["gate"].view(B, k), inp["update"].view(B, k, D), inp["rows"])
-    b = mod_tokens.add_gated_tokens(inp["x"], inp["rows"], inp["gate"], inp["update"])
+    gate, update = inp["gate"].view(B, k), inp["update"].view(B, k, D)
+    b = add_gated_tokens(inp["x"], inp["indices"], gate, update, inp["rows"], mod_tokens)
     lines.append(f"mod gated scatter: max |diff| {(a - b).abs().max().item():.2e}")
     m = moe_inputs(24, 4, 2, 32, 48, torch.float32, "cpu")
     d = m["dispatch"]

@@ -3,16 +3,16 @@
 Legend: B batch, T tokens, D model dim, n = B * k chosen rows of the flattened ``[B * T, D]``
 token matrix (``rows``: distinct, as top-k per sequence makes them).
 
-- ``take_tokens(x [B, T, D], rows [n]) -> (x[rows] [B, k, D], alias of x)``: one kernel
-  gathers the rows; the backward is the incoming residual gradient plus the chosen rows'
-  gradient added in place at ``rows`` (one copy, one n-row kernel).
-- ``add_gated_tokens(x [B, T, D], rows [n], gate [n], update [n, D]) -> [B, T, D]``: ``x`` with
-  ``gate[i] * update[i]`` added at row ``rows[i]`` (computed in float32, rounded once), other
-  rows bit for bit ``x``. The backward reads the chosen rows of the output gradient once and
-  writes both ``grad_update = gate * grad[rows]`` and ``grad_gate = <grad[rows], update>``.
+The three row primitives of the MoD token moves, as launchers without autograd: the autograd
+functions that use them live once, in ``mode.routing.mod_topk``, which takes this module as
+its ``ops`` (``TorchRows`` there is the torch backend the tests compare against):
 
-Same contracts as ``mode.routing.mod_topk.take_tokens`` / ``add_gated_tokens`` (the torch
-path, which the tests compare against).
+- ``gather_rows(src [R, D], rows [n]) -> src[rows] [n, D]``: one program per row.
+- ``add_rows_(dst [R, D], rows [n], update [n, D], gate [n] | None)``: in place
+  ``dst[rows[i]] += gate[i] * update[i]``, computed in float32 and rounded once.
+- ``gated_rows_backward(grad, rows, gate, update, need_update, need_gate)``: reads the chosen
+  rows of the output gradient once and writes both ``grad_update = gate * grad[rows]`` and
+  ``grad_gate = <grad[rows], update>``.
 """
 
 from __future__ import annotations
@@ -118,68 +118,27 @@ def add_rows_(dst: torch.Tensor, rows: torch.Tensor, update: torch.Tensor, gate:
         )
 
 
-class _TakeTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, rows: torch.Tensor):
-        B, T, D = x.shape
-        ctx.save_for_backward(rows)
-        ctx.x_shape = x.shape
-        return gather_rows(x.reshape(B * T, D), rows).view(B, -1, D), x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad_sel: torch.Tensor | None, grad_x: torch.Tensor | None):
-        (rows,) = ctx.saved_tensors
-        B, T, D = ctx.x_shape
-        if grad_x is not None:
-            out = grad_x.clone(memory_format=torch.contiguous_format)
-        else:
-            out = grad_sel.new_zeros(ctx.x_shape)
-        if grad_sel is not None:
-            add_rows_(out.view(B * T, D), rows, grad_sel.reshape(-1, D).contiguous())
-        return out, None
-
-
-class _AddGatedTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, rows: torch.Tensor, gate: torch.Tensor, update: torch.Tensor):
-        B, T, D = x.shape
-        ctx.save_for_backward(rows, gate, update)
-        out = x.clone(memory_format=torch.contiguous_format)
-        add_rows_(out.view(B * T, D), rows, update, gate)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        rows, gate, update = ctx.saved_tensors
-        need_gate, need_update = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        grad_gate = torch.empty_like(gate) if need_gate else None
-        grad_update = torch.empty_like(update) if need_update else None
-        if (need_gate or need_update) and rows.numel():
-            grad2 = grad.reshape(-1, grad.shape[-1]).contiguous()
-            _gated_rows_backward_kernel[(rows.numel(),)](
-                grad2,
-                rows,
-                gate,
-                update,
-                grad_update if need_update else update,
-                grad_gate if need_gate else gate,
-                grad2.shape[1],
-                grad2.stride(0),
-                update.stride(0),
-                NEED_UPD=need_update,
-                NEED_GATE=need_gate,
-                BLOCK_D=_block_d(grad2.shape[1]),
-            )
-        return grad, None, grad_gate, grad_update
-
-
-def take_tokens(x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [B, T, D], rows: [B * k] distinct rows of ``x.view(B * T, D)`` -> (x_sel [B, k, D],
-    an alias of x for the residual path: use both, so the backward is one pass)."""
-    return _TakeTokens.apply(x.contiguous(), rows.contiguous())
-
-
-def add_gated_tokens(x: torch.Tensor, rows: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, D] with ``gate[i] * update[i]`` added at ``rows[i]`` ([n], distinct), out of
-    place; gate: [n], update: [n, D]. Differentiable w.r.t. x, gate and update."""
-    return _AddGatedTokens.apply(x, rows.contiguous(), gate.contiguous(), update.contiguous())
+def gated_rows_backward(
+    grad: torch.Tensor, rows: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, need_update: bool, need_gate: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """From the output gradient grad [R, D] (rows contiguous) of ``dst[rows] += gate * update``:
+    (grad_update = gate * grad[rows] [n, D], grad_gate = <grad[rows], update> [n]) in one
+    kernel reading each chosen row once, each None unless asked for (no autograd)."""
+    grad_gate = torch.empty_like(gate) if need_gate else None
+    grad_update = torch.empty_like(update) if need_update else None
+    if (need_gate or need_update) and rows.numel():
+        _gated_rows_backward_kernel[(rows.numel(),)](
+            grad,
+            rows,
+            gate,
+            update,
+            grad_update if need_update else update,
+            grad_gate if need_gate else gate,
+            grad.shape[1],
+            grad.stride(0),
+            update.stride(0),
+            NEED_UPD=need_update,
+            NEED_GATE=need_gate,
+            BLOCK_D=_block_d(grad.shape[1]),
+        )
+    return grad_update, grad_gate

@@ -24,7 +24,14 @@ from mode.layers.predictor import RoutingPredictor
 from mode.routed import Routed, Router, measuring
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
 from mode.routing.counting import count_ids
-from mode.routing.mod_topk import add_gated_tokens, capacity_to_k, expert_choice_topk, take_tokens, token_rows
+from mode.routing.mod_topk import (
+    TorchRows,
+    add_gated_tokens,
+    capacity_to_k,
+    expert_choice_topk,
+    take_tokens,
+    token_rows,
+)
 
 # g in ``x + g(r) * f(x)``; "none" is g = 1 (no router gradient: ablations, equivalence tests).
 Gate = Literal["sigmoid", "identity", "none"]
@@ -221,18 +228,15 @@ class MoDBlock(Routed):
             # the output: under expert parallelism its all-to-alls must see every rank.
             return x + 0 * self.block.delta(x[:, :k], None if positions is None else positions[:, :k]).sum()
         rows = token_rows(plan.indices, x.shape[1])  # [B * k] rows of x.view(B * T, D)
-        ops = mod_tokens() if self.uses_triton(x.device) else None
-        # [B, k, D] and the residual stream
-        x_sel, x = take_tokens(x, plan.indices, rows) if ops is None else ops.take_tokens(x, rows)
+        ops = mod_tokens() if self.uses_triton(x.device) else TorchRows  # the row primitives
+        x_sel, x = take_tokens(x, plan.indices, rows, ops)  # [B, k, D] and the residual stream
         weights = plan.weights if scores.requires_grad else self.router_logits(x_sel)  # [B, k]
         if positions is None:  # RoPE rows: one gather from the cached table of the T positions
             delta = self.block.delta(x_sel, plan.indices, length=x.shape[1])  # [B, k, D]
         else:
             delta = self.block.delta(x_sel, positions.gather(1, plan.indices))
         gate = GATES[self.gate](weights)
-        if ops is not None:
-            return ops.add_gated_tokens(x, rows, gate.reshape(-1), delta.reshape(-1, delta.shape[-1]))
-        return add_gated_tokens(x, plan.indices, gate, delta, rows)
+        return add_gated_tokens(x, plan.indices, gate, delta, rows, ops)
 
     @torch.no_grad()
     def _record_health(self, scores: torch.Tensor, chosen: torch.Tensor) -> None:
