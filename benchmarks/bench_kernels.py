@@ -136,7 +136,7 @@ def moe_candidates(inp: dict, use_triton: bool) -> dict[str, callable]:
 
     fns = {"experts fwd | torch": torch_path, "experts fwd+bwd | torch": backward(torch_path)}
     if use_triton:
-        from mode.kernels.scatter_gemm import gemm_combine, scattered_gemm  # noqa: PLC0415
+        from mode.experts.scattered import gemm_combine, scattered_gemm  # noqa: PLC0415
 
         w_sorted = weights.reshape(-1)
 
@@ -152,8 +152,8 @@ def moe_candidates(inp: dict, use_triton: bool) -> dict[str, callable]:
 
 def smoke_test() -> list[str]:
     """Each Triton kernel once at a tiny size under the interpreter, against the torch path."""
+    from mode.experts.scattered import gemm_combine, scattered_gemm  # noqa: PLC0415
     from mode.kernels import mod_tokens  # noqa: PLC0415
-    from mode.kernels.scatter_gemm import gemm_combine, scattered_gemm  # noqa: PLC0415
 
     lines = []
     inp = mod_inputs(2, 16, 40, 0.25, torch.float32, "cpu")

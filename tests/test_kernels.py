@@ -22,7 +22,8 @@ from mode.routing.mod_topk import add_gated_tokens, take_tokens, token_rows
 if triton_missing_reason():
     pytest.skip(triton_missing_reason(), allow_module_level=True)
 
-from mode.kernels import mod_tokens, scatter_gemm  # noqa: E402  (imports triton)
+from mode.experts import scattered  # noqa: E402  (imports triton)
+from mode.kernels import mod_tokens, scatter_gemm  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Triton kernels under the interpreter
 
@@ -176,8 +177,8 @@ def test_scattered_expert_gemms_match_reference(N, K, E, D, F_, pattern, n_noop)
     leaves.append(torch.rand(rows.numel()))
     fast = [t.clone().requires_grad_() for t in leaves]
     slow = [t.clone().requires_grad_() for t in leaves]
-    h = scatter_gemm.scattered_gemm(fast[0], fast[1], rows, slots, counts, K)
-    out = scatter_gemm.gemm_combine(F.gelu(h), fast[2], fast[3], rows, slots, counts, K, N)
+    h = scattered.scattered_gemm(fast[0], fast[1], rows, slots, counts, K)
+    out = scattered.gemm_combine(F.gelu(h), fast[2], fast[3], rows, slots, counts, K, N)
     ref = _experts_reference(*slow, rows, counts, N)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(out)
@@ -196,8 +197,8 @@ def test_scattered_expert_gemms_in_bf16_are_close_to_the_fp32_reference():
     leaves.append(torch.rand(rows.numel()))
     fast = [t.bfloat16().requires_grad_() for t in leaves[:3]] + [leaves[3].clone().requires_grad_()]
     slow = [t.clone().requires_grad_() for t in leaves]
-    h = scatter_gemm.scattered_gemm(fast[0], fast[1], rows, slots, counts, K)
-    out = scatter_gemm.gemm_combine(F.gelu(h), fast[2], fast[3], rows, slots, counts, K, N)
+    h = scattered.scattered_gemm(fast[0], fast[1], rows, slots, counts, K)
+    out = scattered.gemm_combine(F.gelu(h), fast[2], fast[3], rows, slots, counts, K, N)
     assert out.dtype == torch.bfloat16
     ref = _experts_reference(*slow, rows, counts, N)
     torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
@@ -214,7 +215,7 @@ def test_triton_grouped_mm_equals_loop(counts):
     x = torch.randn(int(counts.sum()), 40, requires_grad=True)
     w = torch.randn(4, 40, 24, requires_grad=True)
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    out, ref = scatter_gemm.grouped_mm(x, w, counts), gmm_loop(xr, wr, counts)
+    out, ref = scattered.grouped_mm(x, w, counts), gmm_loop(xr, wr, counts)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if out.numel():
         g = torch.randn_like(out)

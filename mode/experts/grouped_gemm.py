@@ -162,7 +162,7 @@ def _triton_reason(device: torch.device, dtype: torch.dtype, k: int, m: int) -> 
 
 def gmm_triton(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Our Triton grouped GEMM on rows already sorted by expert (``mode.kernels.scatter_gemm``)."""
-    from mode.kernels.scatter_gemm import grouped_mm  # noqa: PLC0415  (imports triton)
+    from mode.experts.scattered import grouped_mm  # noqa: PLC0415  (imports triton)
 
     return grouped_mm(x, w, counts)
 

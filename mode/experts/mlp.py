@@ -116,7 +116,7 @@ class ExpertMLP(nn.Module):
         d_model, d_ff = w1.shape[1:]
         if resolve_name(self.backend, x.device, x.dtype, d_model, d_ff, token_idx.numel()) != "triton":
             return chunked_experts(x, token_idx, counts, weights.to(x.dtype), w1, w2, w3)
-        from mode.kernels.scatter_gemm import gemm_combine, scattered_gemm  # noqa: PLC0415  (imports triton)
+        from mode.experts.scattered import gemm_combine, scattered_gemm  # noqa: PLC0415  (imports triton)
 
         with torch.autocast(x.device.type, enabled=False):
             h = scattered_gemm(x, w1, token_idx, slots, counts, top_k)
