@@ -341,8 +341,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, args.overrides)
     if args.init_from:
         cfg.train.init_from = args.init_from
+    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         model, result = train(cfg)
+        if sharded:
+            model = None  # freed before its process group (mode.parallel.mesh.destroy says why)
     finally:
         destroy()
     if int(os.environ.get("RANK", "0")) != 0:
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         f"({result.val_loss / math.log(2):.3f} bits/byte), causal-routing val loss {result.val_loss_causal:.4f}, "
         f"median step {1000 * result.median_step_time:.1f} ms"
     )
-    if args.sample and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if args.sample and not sharded:
         from mode.data import decode, encode  # noqa: PLC0415
 
         model.eval()
