@@ -9,6 +9,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Under pytest-xdist each worker gets its share of the cores: two workers with two intra-op
+# threads each on two cores spin against each other (a float64 gradcheck took 7x as long).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
