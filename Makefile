@@ -25,10 +25,10 @@ demo: install
 # Tests run on every core (pytest-xdist); the fast tier leaves out the tests marked slow
 # (multi-process, subprocess, torch.compile, Triton interpreter).
 test: install
-	$(PY) -m pytest -q -n auto --durations=15
+	$(PY) -m pytest -q -n auto --dist worksteal --durations=15
 
 test-fast: install
-	$(PY) -m pytest -q -n auto -m "not slow"
+	$(PY) -m pytest -q -n auto --dist worksteal -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check mode tests benchmarks
