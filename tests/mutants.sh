@@ -14,7 +14,7 @@ m mode/routed.py 's/dtype = torch.promote_types(x.dtype, torch.float32)/dtype = 
 m mode/layers/mod.py 's/(x_sel + g \* delta)\[valid\]/(g * (x_sel + delta))[valid]/' "tests/test_contracts.py::test_causal_forward_keeps_the_residual_form"
 m mode/experts/moe.py 's/if self.lb_scope == "sequence" and len(seq_shape) == 3:/if False:/' "tests/test_contracts.py::test_sequence_scope_balance_loss_is_the_mean_over_sequences"
 m mode/experts/moe.py 's/if self.training and self.jitter:/if self.jitter:/' "tests/test_contracts.py::test_router_jitter_is_training_only"
-m mode/experts/moe.py 's/            self._load_sum.zero_()/            pass/' "tests/test_contracts.py::test_aux_loss_free_bias_uses_each_steps_own_load"
+m mode/experts/moe.py 's/^        self._load_sum.zero_()/        pass/' "tests/test_contracts.py::test_aux_loss_free_bias_uses_each_steps_own_load"
 m mode/layers/mod.py 's/rows = causal_decisions(logits\[:, 0\]).nonzero().squeeze(-1)/rows = torch.arange(x.shape[0])/' "tests/test_contracts.py::test_decode_writes_kv_only_for_routed_tokens"
 m mode/parallel/all_to_all.py 's/grad_out.contiguous(), ctx.send_splits, ctx.recv_splits, group/grad_out.contiguous(), ctx.recv_splits, ctx.send_splits, group/' "tests/test_contracts.py::test_all_to_all_backward_takes_the_reverse_route"
 # Reliability II: mutants that the loss curves and ratios hid.
