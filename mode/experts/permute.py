@@ -48,7 +48,6 @@ class Dispatch(NamedTuple):
                (``pad`` for one no expert computes): token n's rows are
                ``bags[bag_offsets[n]:bag_offsets[n + 1]]``.
     bag_offsets: [N + 1] start of each token's rows in ``bags`` (``n * K``).
-    assignment: [N*K] flattened assignment index of each entry of ``bags`` (``arange``).
     pad:       None, or the buffer row that ``bags`` names for assignments that are not
                computed (no-op or dropped): a scratch row past the sorted ones, never read
                (``embedding_bag``'s ``padding_idx``). Sizes then stay N*K + 1 whatever the
@@ -60,7 +59,6 @@ class Dispatch(NamedTuple):
     counts: torch.Tensor
     bags: torch.Tensor
     bag_offsets: torch.Tensor
-    assignment: torch.Tensor
     pad: int | None = None
 
 
@@ -74,30 +72,31 @@ def sort_by_expert(
     N, K = experts.shape
     flat = experts.reshape(-1)
     device = experts.device
+    bag_offsets = torch.arange(0, N * K + 1, K, device=device)
     if (keep is None and not has_noop) or N == 0:  # (no tokens: nothing to leave out)
         counts = count_ids(flat, n_experts)
         order = torch.sort(flat, stable=True).indices
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(N * K, device=device)
-        bag_offsets = torch.arange(0, N * K + 1, K, device=device)
-        assignment = torch.arange(N * K, device=device)
-        return Dispatch(order, torch.div(order, K, rounding_mode="floor"), counts, inverse, bag_offsets, assignment)
-    valid = flat < n_experts
-    if keep is not None:
-        valid = valid & keep.reshape(-1)
-    # NOTE: invalid assignments get key E and sort to the end, after every expert's rows.
-    key = torch.where(valid, flat, torch.full_like(flat, n_experts))
-    counts = count_ids(key, n_experts + 1)[:n_experts]
-    order = torch.sort(key, stable=True).indices
-    pad = N * K
+        bags, pad = _inverse(order), None
+    else:
+        valid = flat < n_experts
+        if keep is not None:
+            valid = valid & keep.reshape(-1)
+        # NOTE: invalid assignments get key E and sort to the end, after every expert's rows.
+        key = torch.where(valid, flat, torch.full_like(flat, n_experts))
+        counts = count_ids(key, n_experts + 1)[:n_experts]
+        order = torch.sort(key, stable=True).indices
+        pad = N * K
+        bags = torch.where(valid, _inverse(order), pad)
+        # The scratch row reads assignment 0's token (any token: no expert computes it).
+        order = torch.cat([order, order.new_zeros(1)])
+    return Dispatch(order, torch.div(order, K, rounding_mode="floor"), counts, bags, bag_offsets, pad)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of ``order`` ([n] int64)."""
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(N * K, device=device)
-    bags = torch.where(valid, inverse, pad)
-    # The scratch row reads assignment 0's token (any token: no expert computes it).
-    order = torch.cat([order, order.new_zeros(1)])
-    bag_offsets = torch.arange(0, N * K + 1, K, device=device)
-    assignment = torch.arange(N * K, device=device)
-    return Dispatch(order, torch.div(order, K, rounding_mode="floor"), counts, bags, bag_offsets, assignment, pad)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
 
 
 def computed(dispatch: Dispatch) -> torch.Tensor:
@@ -106,8 +105,8 @@ def computed(dispatch: Dispatch) -> torch.Tensor:
 
 
 def bag_tokens(dispatch: Dispatch, k: int) -> torch.Tensor:
-    """[N*K] token of each entry of ``dispatch.bags``."""
-    return torch.div(dispatch.assignment, k, rounding_mode="floor")
+    """[N*K] token of each entry of ``dispatch.bags`` (they are in token order, K per token)."""
+    return torch.div(torch.arange(dispatch.bags.numel(), device=dispatch.bags.device), k, rounding_mode="floor")
 
 
 def gather_sum(rows: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None = None) -> torch.Tensor:
