@@ -41,6 +41,12 @@ from mode.routed import health_warnings, routing_metrics
 from mode.step import LMObjective, NonFiniteTrainingError, StepResult, build_optimizer, lr_at, train_step
 
 
+def rank_rows(batch_size: int, ctx: ParallelContext | None) -> slice:
+    """This rank's rows of a global batch of ``batch_size`` rows (all of them without ``ctx``)."""
+    rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
+    return slice(rank * batch_size // world, (rank + 1) * batch_size // world)
+
+
 @torch.no_grad()
 def evaluate(
     model: MoDETransformer,
@@ -59,8 +65,7 @@ def evaluate(
     gen = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
     losses, metrics = [], {}
-    world, rank = (ctx.world_size, ctx.rank) if ctx else (1, 0)
-    rows = slice(rank * batch_size // world, (rank + 1) * batch_size // world)
+    rows = rank_rows(batch_size, ctx)
     for _ in range(n_batches):
         x, y = split.batch(batch_size, gen)
         with autocast(precision, device):
@@ -154,8 +159,8 @@ class Run:
             f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how})"
         )
         log.write_json("config.json", to_dict(cfg))
-        info = {"precision": precision, "world_size": ctx.world_size if ctx else 1}
-        info.update(peak_flops_per_rank=peak_flops, peak_how=peak_how)
+        world = ctx.world_size if ctx else 1
+        info = {"precision": precision, "world_size": world, "peak_flops_per_rank": peak_flops, "peak_how": peak_how}
         if tc.init_from:  # the checkpoint this run's weights were converted from (resumes keep saying it)
             info["init_from"] = str(Path(tc.init_from).resolve())
         log.write_json("run_info.json", info)
@@ -172,10 +177,8 @@ class Run:
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch, on the device."""
-        rank, world = self.rank_and_world
-        b = self.cfg.train.batch_size
-        x, y = self.data[0].batch(b, self.gen)
-        rows = slice(rank * b // world, (rank + 1) * b // world)
+        x, y = self.data[0].batch(self.cfg.train.batch_size, self.gen)
+        rows = rank_rows(self.cfg.train.batch_size, self.ctx)
         return x[rows].to(self.device, non_blocking=True), y[rows].to(self.device, non_blocking=True)
 
     def step_record(self, done: int, out: StepResult, lr: float, elapsed: float, step_time: float, bad: int) -> dict:
