@@ -14,6 +14,7 @@ from mode.layers.mod import MoDBlock
 from mode.layers.predictor import RoutingPredictor
 from mode.model import MoDETransformer
 from mode.routing.causal import decision_metrics, membership_bce
+from tests.tolerances import assert_close
 
 VARIANTS = [
     ("mod", "router_bce"),
@@ -100,7 +101,7 @@ def test_kv_cache_decode_equals_full_causal_forward(layout, causal):
             step_logits.append(model.decode(next_id, T0 + s, caches))
         full, _ = model(seq, routing="causal")
     for s, lg in enumerate(step_logits):
-        torch.testing.assert_close(lg, full[:, T0 - 1 + s], atol=1e-4, rtol=1e-4)
+        assert_close(lg, full[:, T0 - 1 + s], "model")
 
 
 @pytest.mark.parametrize("layout,causal", VARIANTS[:3], ids=IDS[:3])
@@ -218,12 +219,12 @@ def test_predictor_threshold_tracks_the_kth_score():
     assert not pred.calibrated  # the forward records; the step moves it
     block.predictor.after_optimizer_step()
     assert pred.calibrated
-    torch.testing.assert_close(pred.threshold, kth_mean(x1).detach())
+    assert_close(pred.threshold, kth_mean(x1).detach(), "reduction")
     block(x2)
     block(x2)  # two micro-batches of one step: one move toward their mean
     mode.after_optimizer_step(block)
     expected = (1 - pred.momentum) * kth_mean(x1) + pred.momentum * kth_mean(x2)
-    torch.testing.assert_close(pred.threshold, expected.detach())
+    assert_close(pred.threshold, expected.detach(), "reduction")
     before = pred.threshold.clone()
     block.eval()(torch.randn(3, 16, 32))
     assert torch.equal(pred.threshold, before)  # evaluation never moves it
@@ -264,7 +265,7 @@ def test_predictor_thresholds_match_the_slow_reference(T, stride, capacity, prio
     pred.threshold.fill_(torch.randn(()).item())
     scores = torch.randn(2, T).round(decimals=1)  # ties are common
     thresholds = pred.thresholds(scores)
-    torch.testing.assert_close(thresholds, reference_thresholds(pred, scores))
+    assert_close(thresholds, reference_thresholds(pred, scores), "reduction")
     # Causal: the thresholds of the first t tokens do not depend on the tokens after them.
     t = T // 2
     edited = torch.cat([scores[:, :t], torch.randn(2, T - t)], dim=1)
@@ -281,11 +282,11 @@ def test_predictor_logit_is_score_minus_prefix_threshold_plus_mlp():
         scores = block.router_logits(x)
         mlp = pred.out(torch.nn.functional.silu(pred.fc(x))).squeeze(-1)
         expected = scores - reference_thresholds(pred, scores) + mlp
-        torch.testing.assert_close(block.decision_logits(x), expected)
+        assert_close(block.decision_logits(x), expected, "layer")
         # Decoding token t from the row's recorded scores gives the same logit as the full pass.
         for t in (0, 14, 15, 16, 31, 39):
             got = pred.decode_logits(x[:, t : t + 1], scores[:, : t + 1])
-            torch.testing.assert_close(got[:, 0], expected[:, t])
+            assert_close(got[:, 0], expected[:, t], "layer")
         pred.out.weight.zero_()
         pred.out.bias.zero_()
         assert torch.equal(block.decision_logits(x) > 0, scores > reference_thresholds(pred, scores))

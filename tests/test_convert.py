@@ -15,6 +15,7 @@ from mode.model import MoDETransformer
 from mode.train import main, train
 from tests.dist_utils import run_workers
 from tests.tiny import TINY_MODEL
+from tests.tolerances import assert_close
 
 SMALL = TINY_MODEL
 RUN = ["train.batch_size=4", "train.max_seconds=0", "train.eval_batches=1", "train.progress=false", "train.log_every=1"]
@@ -51,7 +52,7 @@ def test_conversion_that_keeps_the_function_gives_the_dense_logits(dense_ckpt, p
     model = upcycle(dense_ckpt, load_config(preset, [*SMALL, *extra])).eval()
     with torch.no_grad():
         got = model(IDX)[0]
-    torch.testing.assert_close(got, dense_logits(dense_ckpt), atol=1e-5, rtol=1e-5)
+    assert_close(got, dense_logits(dense_ckpt), "layer")
 
 
 def test_sliced_experts_compute_the_dense_mlp_when_a_token_takes_one_slice_each(dense_ckpt):
@@ -66,7 +67,7 @@ def test_sliced_experts_compute_the_dense_mlp_when_a_token_takes_one_slice_each(
     x = torch.randn(5, 32)
     counts = torch.tensor([5])
     halves = sum(0.5 * moe.experts.forward_sorted(x, counts.new_tensor([5, 0, 0, 0]).roll(e)) for e in (0, 1))
-    torch.testing.assert_close(halves, dense.blocks[1].mlp(x), atol=1e-5, rtol=1e-5)
+    assert_close(halves, dense.blocks[1].mlp(x), "layer")
 
 
 @pytest.mark.parametrize("preset", ["mod", "moe", "moe_capacity", "mode_staged", "mode_integrated"])

@@ -12,6 +12,7 @@ from mode.flops import model_flops
 from mode.model import MoDETransformer
 from mode.routed import aux_loss
 from tests.tiny import TINY_MODEL
+from tests.tolerances import assert_close
 
 L = 4
 
@@ -63,7 +64,7 @@ def test_exited_tokens_keep_their_exit_state_and_others_run_every_block():
     share = float(model.early_exit.metrics["compute_share"])
     assert 0.0 < float(model.early_exit.metrics["exit_share"]) < 1.0
     assert 1 / L < share < 1.0
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert_close(logits, expected, "layer")
 
 
 def test_threshold_sets_the_compute_share():
@@ -94,9 +95,9 @@ def test_early_exit_is_causal_and_its_kv_cache_decodes_exactly():
         assert torch.equal(model(changed, routing="causal")[0][:, :15], full[:, :15])
         caches = model.new_caches(2)
         prefill, _ = model(idx[:, :10], routing="causal", caches=caches)
-        torch.testing.assert_close(prefill, full[:, :10], rtol=1e-5, atol=1e-5)
+        assert_close(prefill, full[:, :10], "layer")
         steps = [model.decode(idx[:, t : t + 1], t, caches) for t in range(10, 24)]
-    torch.testing.assert_close(torch.stack(steps, 1), full[:, 10:], rtol=1e-5, atol=1e-5)
+    assert_close(torch.stack(steps, 1), full[:, 10:], "layer")
     # Every block's cache holds every token (exited ones from their frozen state).
     assert all(int(c.lengths.min()) == 24 for c in caches)
 
@@ -117,8 +118,8 @@ def test_training_adds_the_mean_intermediate_exit_loss():
     for block in model.blocks:
         x = block(x)
         ces.append(F.cross_entropy(model.head(x).view(-1, 256), targets.view(-1)))
-    torch.testing.assert_close(loss, ces[-1])  # training runs every block on every token
-    torch.testing.assert_close(aux_loss(model), 0.5 * torch.stack(ces[:-1]).mean())
+    assert_close(loss, ces[-1], "reduction")  # training runs every block on every token
+    assert_close(aux_loss(model), 0.5 * torch.stack(ces[:-1]).mean(), "reduction")
     aux_loss(model).backward()
     assert model.blocks[0].attn.qkv.weight.grad.abs().max() > 0
 

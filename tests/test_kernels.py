@@ -18,6 +18,7 @@ from mode.experts.moe import DroplessMoE
 from mode.kernels import triton_missing_reason, triton_unavailable_reason
 from mode.layers.mod import MoDBlock, StagedMoDEBlock
 from mode.routing.mod_topk import add_gated_tokens, take_tokens, token_rows
+from tests.tolerances import assert_close
 
 if triton_missing_reason():
     pytest.skip(triton_missing_reason(), allow_module_level=True)
@@ -73,7 +74,7 @@ def test_add_gated_tokens_kernel_matches_reference(B, T, k, D):
     flat = ref.view(B * T, D)
     for i, r in enumerate(rows.tolist()):
         flat[r] = flat[r] + gate[i].detach() * update[i].detach()
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    assert_close(out, ref, "elementwise")
     untouched = torch.ones(B * T, dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(out.view(B * T, D)[untouched], x.detach().view(B * T, D)[untouched])  # bit for bit
@@ -81,8 +82,8 @@ def test_add_gated_tokens_kernel_matches_reference(B, T, k, D):
     out.backward(g)
     g_rows = g.view(B * T, D)[rows]
     assert torch.equal(x.grad, g)
-    torch.testing.assert_close(update.grad, gate.detach()[:, None] * g_rows, rtol=0, atol=0)
-    torch.testing.assert_close(gate.grad, (g_rows * update.detach()).sum(-1), rtol=1e-5, atol=1e-5)
+    assert_close(update.grad, gate.detach()[:, None] * g_rows, "exact")
+    assert_close(gate.grad, (g_rows * update.detach()).sum(-1), "reduction")
 
 
 def test_mod_token_kernels_in_bf16_match_the_torch_path():
@@ -95,12 +96,12 @@ def test_mod_token_kernels_in_bf16_match_the_torch_path():
     ref_leaves = [t.clone().requires_grad_() for t in (x, gate, update)]
     out = add_gated_tokens(leaves[0], indices, leaves[1], leaves[2], rows, mod_tokens)
     ref = add_gated_tokens(ref_leaves[0], indices, ref_leaves[1], ref_leaves[2], rows)
-    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)  # the kernel rounds once, torch twice
+    assert_close(out, ref, "elementwise", dtype=torch.bfloat16)  # the kernel rounds once, torch twice
     g = torch.randn_like(out)
     out.backward(g)
     ref.backward(g)
     for a, b in zip(leaves, ref_leaves, strict=True):
-        torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=2e-2, atol=5e-2)
+        assert_close(a.grad, b.grad, "layer_grad", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("block_cls", [MoDBlock, StagedMoDEBlock])
@@ -112,13 +113,13 @@ def test_mod_block_with_triton_kernels_equals_torch_kernels(block_cls):
     x = torch.randn(2, 16, 32)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref, out_fast = ref(xa), fast(xb)
-    torch.testing.assert_close(out_fast, out_ref, rtol=1e-6, atol=1e-6)
+    assert_close(out_fast, out_ref, "elementwise")
     out_ref.square().sum().backward()
     out_fast.square().sum().backward()
-    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-6)
+    assert_close(xb.grad, xa.grad, "reduction")
     for (name, p), q in zip(ref.named_parameters(), fast.parameters(), strict=True):
         if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+            assert_close(q.grad, p.grad, "reduction", msg=name)
 
 
 def test_take_tokens_torch_and_triton_agree_on_the_same_contract():
@@ -180,12 +181,12 @@ def test_scattered_expert_gemms_match_reference(N, K, E, D, F_, pattern, n_noop)
     h = scattered.scattered_gemm(fast[0], fast[1], rows, slots, counts, K)
     out = scattered.gemm_combine(F.gelu(h), fast[2], fast[3], rows, slots, counts, K, N)
     ref = _experts_reference(*slow, rows, counts, N)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_close(out, ref, "layer")
     g = torch.randn_like(out)
     out.backward(g)
     ref.backward(g)
     for name, a, b in zip(("x", "w1", "w2", "weights"), fast, slow, strict=True):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+        assert_close(a.grad, b.grad, "layer_grad", msg=name)
     if pattern == "one_empty":  # an expert without tokens gets exactly zero weight gradient
         assert not fast[1].grad[1].any() and not fast[2].grad[1].any()
 
@@ -201,12 +202,12 @@ def test_scattered_expert_gemms_in_bf16_are_close_to_the_fp32_reference():
     out = scattered.gemm_combine(F.gelu(h), fast[2], fast[3], rows, slots, counts, K, N)
     assert out.dtype == torch.bfloat16
     ref = _experts_reference(*slow, rows, counts, N)
-    torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
+    assert_close(out, ref, "layer")
     g = torch.randn_like(ref)
     out.backward(g.bfloat16())
     ref.backward(g)
     for name, a, b in zip(("x", "w1", "w2", "weights"), fast, slow, strict=True):
-        torch.testing.assert_close(a.grad.float(), b.grad, rtol=5e-2, atol=5e-2, msg=name)
+        assert_close(a.grad, b.grad, "layer_grad", dtype=torch.bfloat16, msg=name)
 
 
 @pytest.mark.parametrize("counts", [[5, 0, 9, 3], [17, 0, 0, 0], [0, 0, 0, 0]])
@@ -216,13 +217,13 @@ def test_triton_grouped_mm_equals_loop(counts):
     w = torch.randn(4, 40, 24, requires_grad=True)
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     out, ref = scattered.grouped_mm(x, w, counts), gmm_loop(xr, wr, counts)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_close(out, ref, "layer")
     if out.numel():
         g = torch.randn_like(out)
         out.backward(g)
         ref.backward(g)
-        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-5)
+        assert_close(x.grad, xr.grad, "layer")
+        assert_close(w.grad, wr.grad, "layer")
 
 
 @pytest.mark.parametrize("counts", [[5, 0, 9, 3], [0, 0, 0], [64, 1], [16, 16, 16]])
@@ -249,13 +250,13 @@ def test_moe_layer_on_triton_backend_equals_loop_backend(mlp, n_noop):
     x = torch.randn(2, 11, 32)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref, out_fast = ref(xa), fast(xb)
-    torch.testing.assert_close(out_fast, out_ref, rtol=1e-5, atol=1e-5)
+    assert_close(out_fast, out_ref, "layer")
     out_ref.square().sum().backward()
     out_fast.square().sum().backward()
-    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-4, atol=1e-5)
+    assert_close(xb.grad, xa.grad, "layer_grad")
     for (name, p), q in zip(ref.named_parameters(), fast.parameters(), strict=True):
         if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+            assert_close(q.grad, p.grad, "layer_grad", msg=name)
 
 
 # --- where the kernels can run ---------------------------------------------------------------
@@ -313,7 +314,7 @@ def test_kernels_on_cuda_in_bf16_match_the_torch_paths():
     for ref_layer, fast_layer in ((ref, fast), (mod_ref, mod_fast)):
         with torch.autocast("cuda", torch.bfloat16):
             out_ref, out_fast = ref_layer(x), fast_layer(x)
-        torch.testing.assert_close(out_fast.float(), out_ref.float(), rtol=2e-2, atol=2e-2)
+        assert_close(out_fast, out_ref, "layer")
         g = torch.randn_like(out_ref)
         out_ref.backward(g)
         out_fast.backward(g)

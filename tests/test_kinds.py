@@ -12,9 +12,10 @@ from mode.config import load_config, preset_names
 from mode.experts.moe import MoELayer
 from mode.layers.kinds import BLOCK_KINDS, build_block
 from mode.layers.mod import MoDBlock
+from tests.tiny import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.seq_len=16", "model.moe.n_experts=4"]
+SMALL = [*TINY_MODEL, "model.seq_len=16"]
 VARIANTS = [[], ["model.mod.causal=predictor"], ["model.moe.router=expert_choice"]]
 
 

@@ -5,6 +5,7 @@ from mode.layers.attention import CausalSelfAttention
 from mode.layers.blocks import DenseBlock
 from mode.layers.mod import MoDBlock
 from tests.reference import attention_reference, mod_block_reference
+from tests.tolerances import assert_close
 
 D, H = 32, 4
 ATOL_F32 = 1e-5
@@ -22,7 +23,7 @@ def test_matches_loop_reference_values_and_grads(gate):
     x = torch.randn(3, 16, D, requires_grad=True)
     out = blk(x)
     ref = mod_block_reference(blk, x)
-    torch.testing.assert_close(out, ref, atol=ATOL_F32, rtol=1e-5)
+    assert_close(out, ref, "layer")
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x, *blk.parameters()], g, allow_unused=True)
     ref_grads = torch.autograd.grad(ref, [x, *blk.parameters()], g, allow_unused=True)
@@ -30,7 +31,7 @@ def test_matches_loop_reference_values_and_grads(gate):
         if a is None:
             assert b is None
             continue
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        assert_close(a, b, "layer_grad")
 
 
 def test_residual_form_and_unrouted_bit_exact():
@@ -44,7 +45,7 @@ def test_residual_form_and_unrouted_bit_exact():
     assert torch.equal(out[~plan.mask], x[~plan.mask])  # bit-exact
     delta = blk.block.delta(gather_tokens(x, plan.indices), plan.indices)
     expected = gather_tokens(x, plan.indices) + torch.sigmoid(plan.weights)[..., None] * delta
-    torch.testing.assert_close(gather_tokens(out, plan.indices), expected, atol=ATOL_F32, rtol=0)
+    assert_close(gather_tokens(out, plan.indices), expected, "layer")
     # Never g(r) * (x + f(x)): that would scale the residual stream itself.
     wrong = torch.sigmoid(plan.weights)[..., None] * (gather_tokens(x, plan.indices) + delta)
     assert (gather_tokens(out, plan.indices) - wrong).abs().max() > 1e-2
@@ -61,7 +62,7 @@ def test_capacity_one_with_unit_gate_equals_dense():
     dense = DenseBlock(D, H)
     dense.load_state_dict(blk.block.state_dict())
     x = torch.randn(2, 16, D)
-    torch.testing.assert_close(blk(x), dense(x), atol=ATOL_F32, rtol=1e-5)
+    assert_close(blk(x), dense(x), "layer")
 
 
 def test_router_gradcheck_float64():
@@ -89,7 +90,7 @@ def test_batch_independence():
     x = torch.randn(4, 16, D)
     full = blk(x)
     for b in range(4):
-        torch.testing.assert_close(blk(x[b : b + 1]), full[b : b + 1], atol=ATOL_F32, rtol=0)
+        assert_close(blk(x[b : b + 1]), full[b : b + 1], "layer")
     x2 = x.clone()
     x2[0] = torch.randn(16, D)  # changing row 0 leaves the others untouched
     assert torch.equal(blk(x2)[1:], full[1:])
@@ -107,7 +108,7 @@ def test_chosen_token_attention_equals_restricted_dense_attention():
     member = torch.zeros(B, T, dtype=torch.bool).scatter_(1, chosen, True)
     allowed = torch.tril(torch.ones(T, T, dtype=torch.bool))[None] & member[:, None, :]
     ref = attn.output(attention_reference(q, k, v, allowed))
-    torch.testing.assert_close(sub, ref.gather(1, chosen[..., None].expand(-1, -1, D)), atol=ATOL_F32, rtol=1e-5)
+    assert_close(sub, ref.gather(1, chosen[..., None].expand(-1, -1, D)), "layer")
     # Wrong positions (0..k-1 instead of the original ones) give a different answer.
     wrong = attn(torch.gather(x, 1, chosen[..., None].expand(-1, -1, D)), torch.arange(4).expand(B, 4))
     assert (wrong - sub).abs().max() > 1e-4
@@ -118,7 +119,7 @@ def test_torch_compile_fullgraph():
     blk = make_block(0.25)
     x = torch.randn(2, 16, D)
     compiled = torch.compile(blk, fullgraph=True, dynamic=False)
-    torch.testing.assert_close(compiled(x), blk(x), atol=1e-5, rtol=1e-5)
+    assert_close(compiled(x), blk(x), "layer")
 
 
 def test_bad_arguments():

@@ -10,9 +10,10 @@ from mode.experts.moe import DroplessMoE
 from mode.layers.blocks import MoEBlock
 from mode.model import MoDETransformer
 from mode.train import train
+from tests.tiny import TINY
+from tests.tolerances import assert_close
 
 D, H, E = 32, 4, 4
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def test_staged_with_capacity_one_and_unit_gate_equals_moe_block():
@@ -20,7 +21,7 @@ def test_staged_with_capacity_one_and_unit_gate_equals_moe_block():
     moe_block = MoEBlock(D, H, DroplessMoE(D, 2 * D, E, 2))
     moe_block.load_state_dict(staged.block.state_dict())
     x = torch.randn(2, 16, D)
-    torch.testing.assert_close(staged(x), moe_block(x), **TOL)
+    assert_close(staged(x), moe_block(x), "layer")
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -50,7 +51,7 @@ def test_integrated_without_noops_equals_moe_block():
     moe_block = MoEBlock(D, H, DroplessMoE(D, 2 * D, E, 2))
     moe_block.load_state_dict(integ.state_dict())
     x = torch.randn(2, 16, D)
-    torch.testing.assert_close(integ(x), moe_block(x), **TOL)
+    assert_close(integ(x), moe_block(x), "layer")
 
 
 def test_token_routed_to_noop_is_bit_exact_after_the_mlp_residual():
@@ -83,23 +84,12 @@ def test_gradients_reach_both_routers():
     assert staged.block.mlp.router.weight.grad.abs().max() > 0
 
 
-TINY = [
-    "model.d_model=64",
-    "model.n_heads=4",
-    "model.n_layers=2",
-    "model.seq_len=32",
-    "train.batch_size=4",
-    "train.steps=5",
-    "train.eval_every=5",
-    "train.eval_batches=1",
-    "train.progress=false",
-    "train.max_seconds=0",
-]
+PRESET_RUN = [*TINY, "train.batch_size=4", "train.steps=5", "train.eval_every=5"]
 
 
 @pytest.mark.parametrize("preset", [p for p in preset_names() if p != "base"])
 def test_every_preset_trains_saves_and_reloads(preset, tmp_path):
-    cfg = load_config(preset, TINY + [f"train.out_dir={tmp_path}"])
+    cfg = load_config(preset, [*PRESET_RUN, f"train.out_dir={tmp_path}"])
     model, result = train(cfg)
     assert result.steps == 5 and torch.isfinite(torch.tensor(result.val_loss))
     reloaded = MoDETransformer(cfg.model)

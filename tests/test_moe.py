@@ -20,9 +20,9 @@ from mode.kernels import triton_missing_reason
 from mode.layers.blocks import MoEBlock
 from mode.routing.token_choice import capacity_keep, expert_capacity
 from tests.reference import moe_reference
+from tests.tolerances import assert_close
 
 D, F_, E, N = 16, 32, 4, 24
-TOL = {"atol": 1e-5, "rtol": 1e-4}
 
 
 def make(cls=DroplessMoE, top_k=2, **kw):
@@ -41,12 +41,12 @@ def grads_of(out, layer, x, g):
 def assert_matches_reference(layer, x, **ref_kw):
     out = layer(x)
     ref = moe_reference(layer, x, **ref_kw)
-    torch.testing.assert_close(out, ref, **TOL)
+    assert_close(out, ref, "layer_grad")
     g = torch.randn_like(out)
     for a, b, name in zip(
         grads_of(out, layer, x, g), grads_of(ref, layer, x, g), ["x", "router", "w1", "w2"], strict=True
     ):
-        torch.testing.assert_close(a, b, **TOL, msg=name)
+        assert_close(a, b, "layer_grad", msg=name)
         assert b.abs().max() > 1e-3, name  # the gradient is far above atol
     return out
 
@@ -88,9 +88,8 @@ def test_torch_grouped_mm_autograd_equals_loop(materialized, dtype):
             y.sum().backward()  # an expanded, zero-stride incoming gradient
         grads.append((y.detach(), x.grad.clone(), w.grad.clone()))
         x.grad = w.grad = None
-    tol = {"atol": 5e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else TOL
     for a, b in zip(grads[0], grads[1], strict=True):
-        torch.testing.assert_close(a.float(), b.float(), **tol)
+        assert_close(a, b, "layer_grad")
     assert torch.all(grads[0][2][[1, 4]] == 0)  # experts with no rows get zero weight gradient
 
 
@@ -102,8 +101,8 @@ def test_torch_backend_odd_row_count_backward():
     gx, gw = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
     gmm_loop(x, w, counts).sum().backward()
-    torch.testing.assert_close(gx, x.grad, **TOL)
-    torch.testing.assert_close(gw, w.grad, **TOL)
+    assert_close(gx, x.grad, "layer_grad")
+    assert_close(gw, w.grad, "layer_grad")
 
 
 @pytest.mark.parametrize("policy", ["position", "probs"])
@@ -136,7 +135,7 @@ def test_capacity_equals_dropless_when_capacity_is_large():
     cap = CapacityMoE(D, F_, E, 2, capacity_factor=float(E))  # C >= N: nothing can drop
     cap.load_state_dict(dropless.state_dict())  # same parameters: one checkpoint loads in both
     x = torch.randn(N, D)
-    torch.testing.assert_close(cap(x), dropless(x), **TOL)
+    assert_close(cap(x), dropless(x), "layer_grad")
     assert cap.metrics["drop_fraction"] == 0
 
 
@@ -153,8 +152,8 @@ def test_property_permute_then_unpermute_is_identity(n, e, k, seed):
     sorted_experts = experts.view(-1)[dispatch.order]
     assert torch.all(sorted_experts[1:] >= sorted_experts[:-1])  # grouped by expert
     w = torch.full((dispatch.order.numel(),), 1.0 / k)
-    torch.testing.assert_close(unpermute(xs, dispatch.token_idx, w, n), x, **TOL)
-    torch.testing.assert_close(combine(xs, dispatch, torch.full((n, k), 1.0 / k)), x, **TOL)
+    assert_close(unpermute(xs, dispatch.token_idx, w, n), x, "layer_grad")
+    assert_close(combine(xs, dispatch, torch.full((n, k), 1.0 / k)), x, "layer_grad")
 
 
 @settings(max_examples=30, deadline=None)
@@ -170,7 +169,7 @@ def test_property_combine_equals_unpermute_with_drops(n, e, k, drop, seed):
     M = int(dispatch.counts.sum())  # rows past the computed ones (the scratch row) are never read
     assert dispatch.order.numel() == n * k + 1 and int(keep.sum()) == M
     ref = unpermute(y[:M], dispatch.token_idx[:M], sorted_weights(w, dispatch)[:M], n)
-    torch.testing.assert_close(fast, ref, **TOL)
+    assert_close(fast, ref, "layer_grad")
     g = torch.randn(n, 4, generator=gen)
     for a, b in zip(
         torch.autograd.grad(fast, [y, w], g, allow_unused=True),
@@ -180,7 +179,7 @@ def test_property_combine_equals_unpermute_with_drops(n, e, k, drop, seed):
         if b is None or a is None:
             assert a is None or a.abs().max() == 0
             continue
-        torch.testing.assert_close(a, b, **TOL)
+        assert_close(a, b, "layer_grad")
 
 
 @settings(max_examples=30, deadline=None)
@@ -194,12 +193,12 @@ def test_property_permute_gradient_equals_index_select(n, e, k, drop, seed):
     x = torch.randn(n, 3, generator=gen, requires_grad=True)
     fast = permute(x, dispatch)
     ref = x[torch.div(dispatch.order, k, rounding_mode="floor")]
-    torch.testing.assert_close(fast, ref, rtol=0, atol=0)
+    assert_close(fast, ref, "exact")
     g = torch.randn_like(ref)
     # Rows past the computed ones (no-op, dropped, the scratch row) carry no gradient back.
     computed_rows = (torch.arange(ref.shape[0]) < dispatch.counts.sum()).unsqueeze(1)
     ref_grad = torch.autograd.grad(ref, x, g * computed_rows)[0]
-    torch.testing.assert_close(torch.autograd.grad(fast, x, g)[0], ref_grad, **TOL)
+    assert_close(torch.autograd.grad(fast, x, g)[0], ref_grad, "layer_grad")
 
 
 @pytest.mark.parametrize("keep_all", [True, False])
@@ -242,7 +241,7 @@ def test_padded_dispatch_and_combine_gradcheck():
     x, w, slots, placed = padded_case(6, 2, 16, torch.float64)
     f = lambda x, w: padded_combine(padded_dispatch(x, slots, placed, 16).sin(), slots, placed, w)  # noqa: E731
     assert torch.autograd.gradcheck(f, (x, w))
-    torch.testing.assert_close(f(x, w), padded_reference(x, w, slots, placed, 16), rtol=0, atol=1e-12)
+    assert_close(f(x, w), padded_reference(x, w, slots, placed, 16), "elementwise")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -255,10 +254,9 @@ def test_padded_combine_matches_reference_in_low_precision(dtype):
     x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
     ref = padded_reference(x64, w64, slots, placed, 128)
     ref_grads = torch.autograd.grad(ref, (x64, w64), g.double())
-    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
-    torch.testing.assert_close(out.double(), ref, **tol)
+    assert_close(out, ref, "layer")
     for got, want in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got.double(), want, **tol)
+        assert_close(got, want, "layer")
 
 
 def test_expert_choice_router_matches_reference():
@@ -271,7 +269,7 @@ def test_expert_choice_router_matches_reference():
         top = sorted(range(N), key=lambda n: (-probs[n, e].item(), n))[:C]
         for n in top:
             ref[n] += probs[n, e] * (torch.nn.functional.gelu(x[n] @ layer.experts.w1[e]) @ layer.experts.w2[e])
-    torch.testing.assert_close(layer(x), ref, **TOL)
+    assert_close(layer(x), ref, "layer_grad")
     assert layer.metrics["dispatched"] == E * C
 
 
@@ -291,7 +289,7 @@ def test_moe_block_torch_compile():
     blk = MoEBlock(D, 4, make(backend="torch"))
     x = torch.randn(2, 8, D)
     compiled = torch.compile(blk)
-    torch.testing.assert_close(compiled(x), blk(x), **TOL)
+    assert_close(compiled(x), blk(x), "layer_grad")
 
 
 def test_auto_backend_on_cpu_chooses_by_size():
@@ -308,7 +306,7 @@ def test_auto_backend_on_cpu_chooses_by_size():
         assert layer.experts.uses_scattered(x.view(-1, D), rows=CHUNKED_MIN_BYTES // (D * 2))
     chunked = make(backend="chunked")
     chunked.load_state_dict(layer.state_dict())
-    torch.testing.assert_close(layer(x), chunked(x), **TOL)
+    assert_close(layer(x), chunked(x), "layer_grad")
 
 
 @pytest.mark.slow
@@ -318,7 +316,7 @@ def test_moe_block_torch_compile_chunked_backend():
     blk = MoEBlock(D, 4, layer)
     x = torch.randn(2, 8, D)
     assert layer.experts.uses_scattered(x)
-    torch.testing.assert_close(torch.compile(blk)(x), blk(x), **TOL)
+    assert_close(torch.compile(blk)(x), blk(x), "layer_grad")
 
 
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
@@ -334,7 +332,7 @@ def test_chunked_equals_grouped_path(mlp, n_noop):
     grouped.load_state_dict(chunked.state_dict())
     x = torch.randn(N, D, requires_grad=True)
     outs = [layer(x) for layer in (chunked, grouped)]
-    torch.testing.assert_close(outs[0], outs[1], **TOL)
+    assert_close(outs[0], outs[1], "layer_grad")
     if n_noop:
         assert 0 < chunked.metrics["dispatched"] < N * 2  # some assignments went to no-op experts
     g = torch.randn_like(outs[0])
@@ -345,7 +343,7 @@ def test_chunked_equals_grouped_path(mlp, n_noop):
         ]
         grads.append(torch.autograd.grad(out, params, g))
     for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, **TOL)
+        assert_close(a, b, "layer_grad")
         assert b.abs().max() > 1e-3
 
 
@@ -358,13 +356,12 @@ def test_chunked_under_autocast_equals_torch_backend():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outs = [layer(x) for layer in (chunked, grouped)]
     assert outs[0].dtype == outs[1].dtype == torch.bfloat16
-    bf16 = {"atol": 2e-2, "rtol": 2e-2}
-    torch.testing.assert_close(outs[0].float(), outs[1].float(), **bf16)
+    assert_close(outs[0], outs[1], "reduction")
     layers = (chunked, grouped)
     grads = [torch.autograd.grad(o.float().sum(), [x, layer.experts.w1]) for o, layer in zip(outs, layers, strict=True)]
     for a, b in zip(*grads, strict=True):
         assert a.dtype == b.dtype == torch.float32
-        torch.testing.assert_close(a, b, **bf16)
+        assert_close(a, b, "reduction", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
@@ -453,7 +450,7 @@ def test_token_moves_index_equals_embedding_bag(n_noop):
         grads[name] = (out.detach(), xi.grad, *(p.grad for p in layer.parameters()))
     assert grads["index"][1].abs().max() > 1e-3  # a gradient far above the tolerance
     for a, b in zip(grads["index"], grads["embedding_bag"], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        assert_close(a, b, "layer_grad")
 
 
 def test_token_moves_is_checked():

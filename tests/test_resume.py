@@ -18,6 +18,7 @@ import torch
 from mode.checkpoint import latest, load_checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
+from tests.tiny import TINY
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses, killed with SIGKILL
 
@@ -26,24 +27,16 @@ STEPS = 16
 # Routing state that must resume too: the predictor's running threshold (MoD) and the
 # aux-loss-free selection bias (MoE).
 CFG = [
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.n_layers=2",
-    "model.seq_len=32",
+    *TINY,
     "model.layout=mod,moe",
     "model.mod.causal=predictor",
     "model.mod.capacity=0.25",
-    "model.moe.n_experts=4",
     "model.moe.bias_rate=0.01",
     "train.batch_size=4",
     f"train.steps={STEPS}",
     "train.ckpt_every=1",
     "train.keep_checkpoints=2",
     "train.eval_every=1000",
-    "train.eval_batches=1",
-    "train.log_every=1",
-    "train.progress=false",
-    "train.warmup_steps=2",
     "train.threads=1",
 ]
 # The child slows every fsync of a checkpoint file down, so that kills land inside saves too.

@@ -14,6 +14,7 @@ from mode.model import MoDETransformer
 from mode.step import LMObjective, train_step
 from mode.train import train
 from tests.tiny import TINY_MODEL
+from tests.tolerances import assert_close
 
 SMALL = [
     *TINY_MODEL,
@@ -53,15 +54,15 @@ def test_four_micro_batches_give_the_gradients_of_one_batch_four_times_larger(pr
     y = torch.randint(0, 256, (8, 32), generator=gen)
     whole, opt1, r1 = one_step(preset, x, y)
     micro, opt4, r4 = one_step(preset, x, y, accum=4)
-    torch.testing.assert_close(r4.loss, r1.loss, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(r4.aux, r1.aux, atol=1e-6, rtol=1e-6)
+    assert_close(r4.loss, r1.loss, "reduction")
+    assert_close(r4.aux, r1.aux, "reduction")
     for g1, g4 in zip(opt1.grads, opt4.grads, strict=True):
-        torch.testing.assert_close(g4, g1, atol=1e-6, rtol=1e-5)
+        assert_close(g4, g1, "reduction")
     # Routing state moved once, toward the whole batch's statistics.
     s1, s4 = routing_state(whole), routing_state(micro)
     assert s1.keys() == s4.keys() and (s1 or preset == "mod")
     for k in s1:
-        torch.testing.assert_close(s4[k], s1[k], atol=1e-6, rtol=1e-6, msg=k)
+        assert_close(s4[k], s1[k], "reduction", msg=k)
 
 
 def test_predictor_threshold_moves_once_per_optimizer_step():
@@ -81,13 +82,13 @@ def test_activation_checkpointing_changes_nothing_but_memory(preset, mode):
     plain, opt_p, r_p = one_step(preset, x, y)
     ckpt, opt_c, r_c = one_step(preset, x, y, checkpoint=mode)
     assert ckpt.blocks[0].forward.__name__ == "checkpointed"
-    torch.testing.assert_close(r_c.loss, r_p.loss, atol=0, rtol=0)
+    assert_close(r_c.loss, r_p.loss, "exact")
     for gp, gc in zip(opt_p.grads, opt_c.grads, strict=True):
-        torch.testing.assert_close(gc, gp, atol=1e-6, rtol=1e-5)
+        assert_close(gc, gp, "reduction")
     # The re-run forward updated no routing state: it moved exactly as without checkpointing.
     sp, sc = routing_state(plain), routing_state(ckpt)
     for k in sp:
-        torch.testing.assert_close(sc[k], sp[k], atol=0, rtol=0, msg=k)
+        assert_close(sc[k], sp[k], "exact", msg=k)
 
 
 def routing_records(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -129,7 +130,7 @@ def test_recomputed_forwards_record_nothing(preset):
     assert all(r.abs().sum() > 0 for r in records["none"].values())
     assert records["full"].keys() == records["none"].keys()
     for k, want in records["none"].items():
-        torch.testing.assert_close(records["full"][k], want, atol=0, rtol=0, msg=k)
+        assert_close(records["full"][k], want, "exact", msg=k)
 
 
 def test_checkpointing_every_n_picks_every_nth_block():
