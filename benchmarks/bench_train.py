@@ -16,7 +16,6 @@ Reports ms/step, tokens/s, MFU (against a matmul peak of the mode's dtype measur
 from __future__ import annotations
 
 import argparse
-import types
 
 import torch
 
@@ -57,12 +56,7 @@ TARGETS = {
 
 def without_rope(attn: CausalSelfAttention) -> None:
     """Benchmark instrument: this attention layer skips RoPE (q, k as projected)."""
-
-    def project_qkv(self, x, positions, length=None):
-        B, T, D = x.shape
-        return self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-
-    attn.project_qkv = types.MethodType(project_qkv, attn)
+    attn.use_rope = False
 
 
 def overrides(args) -> list[str]:

@@ -2,6 +2,7 @@
 
 from mode.config import Config, load_config
 from mode.experts.moe import CapacityMoE, DroplessMoE, ExpertChoiceMoE
+from mode.layers.arch import Arch
 from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoEBlock
 from mode.layers.mod import MoDBlock, RandomMoDBlock, StagedMoDEBlock
 from mode.model import MoDETransformer
@@ -10,6 +11,7 @@ from mode.routed import after_optimizer_step, aux_loss, routing_metrics
 __version__ = "0.1.0"
 
 __all__ = [
+    "Arch",
     "CapacityMoE",
     "Config",
     "DenseBlock",

@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mode.checks import ConfigError, check_choice, check_positive, check_range, closest, fail
 from mode.experts.moe import MoEConfig, expert_width
+from mode.layers.arch import DENSE_MLP_KINDS, NORM_KINDS, POSITION_KINDS, Arch
 from mode.layers.attention import ATTENTION_BACKENDS
 from mode.layers.early_exit import EarlyExitConfig, check_early_exit_args
 from mode.layers.kinds import BLOCK_KINDS, any_kind
@@ -59,7 +60,15 @@ PRESETS = resources.files("mode") / "configs"
 class ModelConfig:
     """Decoder-only LM. ``layout`` is a comma/space separated pattern of block kinds tiled to
     ``n_layers`` (e.g. "dense,mod" = MoD every other block), or a full per-layer list.
-    ``attention``: "sdpa" (default, any device) or "xformers" (CUDA; ``mode.layers.attention``)."""
+    ``attention``: "sdpa" (default, any device) or "xformers" (CUDA; ``mode.layers.attention``).
+
+    The architecture options (``mode.layers.arch``, the same in every block kind): ``norm``
+    "layernorm" | "rmsnorm" with ``norm_eps``; ``mlp`` "gelu" | "gelu_tanh" | "swiglu", the
+    dense MLP, ``d_ff`` wide (0: ``mlp_ratio * d_model``); ``n_kv_heads`` key/value heads
+    (grouped-query attention; 0: ``n_heads``); ``bias`` on every linear and norm (GPT-2),
+    ``qkv_bias`` on the query/key/value projection only (Qwen2); ``positions`` "rope" (at
+    ``rope_base``) | "learned" (a position embedding added to the token embedding);
+    ``tie_embeddings``: the LM head is the token embedding."""
 
     vocab_size: int = 256
     seq_len: int = 256
@@ -71,6 +80,14 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_base: float = 10000.0
     attention: str = "sdpa"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"
+    d_ff: int = 0
+    n_kv_heads: int = 0
+    bias: bool = False
+    qkv_bias: bool = False
+    positions: str = "rope"
     mod: RoutingConfig = field(default_factory=RoutingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
@@ -80,9 +97,18 @@ class ModelConfig:
             check_positive(f"model.{name}", getattr(self, name))
         if self.d_model % self.n_heads:
             fail("model.d_model", self.d_model, f"must be divisible by n_heads={self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
+        check_choice("model.positions", self.positions, POSITION_KINDS)
+        if self.positions == "rope" and (self.d_model // self.n_heads) % 2:
             fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even for RoPE")
+        check_positive("model.rope_base", self.rope_base)
         check_choice("model.attention", self.attention, ATTENTION_BACKENDS)
+        check_choice("model.norm", self.norm, NORM_KINDS)
+        check_positive("model.norm_eps", self.norm_eps)
+        check_choice("model.mlp", self.mlp, DENSE_MLP_KINDS)
+        check_positive("model.d_ff", self.d_ff, allow_zero=True)
+        check_positive("model.n_kv_heads", self.n_kv_heads, allow_zero=True)
+        if self.n_kv_heads and self.n_heads % self.n_kv_heads:
+            fail("model.n_kv_heads", self.n_kv_heads, f"must divide n_heads={self.n_heads} (0: one per query head)")
         kinds = self.block_kinds()  # validates the layout
         if self.early_exit.enabled:
             check_early_exit_args(
@@ -107,6 +133,23 @@ class ModelConfig:
                 f"only {with_noop} blocks have no-op experts and model.layout={self.layout!r} has none: "
                 "set it to 0 or add one to the layout",
             )
+
+    def arch(self) -> Arch:
+        """The block architecture these options describe (``mode.layers.arch``)."""
+        return Arch(
+            norm=self.norm,
+            norm_eps=self.norm_eps,
+            mlp=self.mlp,
+            n_kv_heads=self.n_kv_heads or None,
+            bias=self.bias,
+            qkv_bias=self.qkv_bias,
+            positions=self.positions,
+            rope_base=self.rope_base,
+        )
+
+    def dense_d_ff(self) -> int:
+        """The dense MLP's hidden width: ``d_ff``, or ``mlp_ratio * d_model``."""
+        return self.d_ff or self.mlp_ratio * self.d_model
 
     def expert_d_ff(self) -> int:
         """Per-expert hidden size: ``moe.d_ff``, or ``mlp_ratio * d_model // top_k`` so that a

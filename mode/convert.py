@@ -45,7 +45,22 @@ from mode.layers.mod import MoDBlock
 from mode.model import MoDETransformer
 
 StateDict = dict[str, torch.Tensor]
-MATCHED = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_ratio", "tie_embeddings", "rope_base")
+# the dense model's shape and architecture (mode.layers.arch), kept by every target
+MATCHED = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "tie_embeddings",
+    "rope_base",
+    "norm",
+    "norm_eps",
+    "mlp",
+    "n_kv_heads",
+    "bias",
+    "qkv_bias",
+    "positions",
+)
 
 
 def load_dense(source: str | Path | MoDETransformer | StateDict, config: ModelConfig | None = None):
@@ -77,12 +92,24 @@ def check_convertible(dense: ModelConfig, target: ModelConfig) -> None:
                 f"model.{name}",
                 getattr(target, name),
                 f"must equal the dense model's {name}={getattr(dense, name)!r}: upcycling keeps the dense weights, "
-                "so width, depth, heads, vocabulary, MLP ratio, tied embeddings and RoPE base cannot change",
+                "so width, depth, heads, vocabulary, architecture, tied embeddings and RoPE base cannot change",
             )
+    if target.dense_d_ff() != dense.dense_d_ff():
+        fail(
+            "model.d_ff",
+            target.d_ff,
+            f"the dense MLP is {dense.dense_d_ff()} wide: set model.d_ff={dense.dense_d_ff()} (or the same mlp_ratio)",
+        )
+    if dense.positions == "learned" and target.seq_len != dense.seq_len:
+        fail("model.seq_len", target.seq_len, f"learned positions end at the dense model's seq_len={dense.seq_len}")
     if any_kind(target.block_kinds(), "holds_experts"):
-        hidden, d_ff, k = dense.mlp_ratio * dense.d_model, target.expert_d_ff(), target.moe.top_k
-        if target.moe.mlp != "gelu":
-            fail("model.moe.mlp", target.moe.mlp, "the dense MLP is GELU: upcycle to mlp='gelu'")
+        hidden, d_ff, k = dense.dense_d_ff(), target.expert_d_ff(), target.moe.top_k
+        if dense.mlp not in ("gelu", "swiglu"):
+            fail("model.mlp", dense.mlp, "experts compute GELU or SwiGLU: a dense gelu_tanh MLP cannot become experts")
+        if dense.bias:
+            fail("model.bias", True, "experts have no biases: a dense model with MLP biases cannot become experts")
+        if target.moe.mlp != dense.mlp:
+            fail("model.moe.mlp", target.moe.mlp, f"the dense MLP is {dense.mlp}: upcycle to moe.mlp={dense.mlp!r}")
         if target.moe.shared_expert:
             fail("model.moe.shared_expert", True, "upcycling fills routed experts only: use false")
         if target.moe.router != "token_choice":
@@ -141,13 +168,18 @@ def _fill_block(block: nn.Module, dense: StateDict, gen, noise: float, router_st
     elif isinstance(block, TransformerBlock) and isinstance(block.mlp, MoELayer):
         shared = {k: v for k, v in dense.items() if not k.startswith("mlp.")}
         block.load_state_dict(shared, strict=False)
-        _fill_moe(block.mlp, dense["mlp.fc.weight"], dense["mlp.proj.weight"], gen, noise, router_std)
+        up = dense.get("mlp.up.weight")
+        _fill_moe(block.mlp, dense["mlp.fc.weight"], dense["mlp.proj.weight"], up, gen, noise, router_std)
     else:
         raise TypeError(f"upcycling does not know how to fill a {type(block).__name__}")
 
 
-def _fill_moe(moe: MoELayer, fc: torch.Tensor, proj: torch.Tensor, gen, noise: float, router_std: float) -> None:
-    """Experts from the dense MLP ``fc`` [H, D], ``proj`` [D, H] (see the module docstring)."""
+def _fill_moe(
+    moe: MoELayer, fc: torch.Tensor, proj: torch.Tensor, up: torch.Tensor | None, gen, noise: float, router_std: float
+) -> None:
+    """Experts from the dense MLP ``fc`` [H, D], ``proj`` [D, H] and SwiGLU's ``up`` [H, D]
+    (None for GELU; see the module docstring). SwiGLU acts per hidden unit, so a slice of
+    the hidden units is a slice of the function as for GELU."""
     E, _, d_ff = moe.experts.w1.shape
     H = fc.shape[0]
     k = 1 if d_ff == H else moe.top_k
@@ -155,9 +187,12 @@ def _fill_moe(moe: MoELayer, fc: torch.Tensor, proj: torch.Tensor, gen, noise: f
         hidden = slice((e % k) * d_ff, (e % k + 1) * d_ff)
         moe.experts.w1[e] = fc[hidden].T
         moe.experts.w2[e] = proj[:, hidden].T * k
+        if up is not None:
+            moe.experts.w3[e] = up[hidden].T
         if noise:
-            for w in (moe.experts.w1, moe.experts.w2):
-                w[e] += noise * w[e].std() * torch.randn(w[e].shape, generator=gen)
+            for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
+                if w is not None:
+                    w[e] += noise * w[e].std() * torch.randn(w[e].shape, generator=gen)
     _normal(moe.router.weight, router_std, gen)
 
 

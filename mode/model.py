@@ -13,6 +13,7 @@ from torch import nn
 
 from mode.checks import check_int, check_number, fail
 from mode.config import ModelConfig
+from mode.layers.arch import make_norm
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.blocks import check_routing
 from mode.layers.early_exit import EarlyExit
@@ -35,11 +36,13 @@ class MoDETransformer(nn.Module):
         self.cfg = cfg
         self.block_kinds = cfg.block_kinds()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # positions="learned" (GPT-2): a position embedding added to the token embedding.
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
         self.blocks = nn.ModuleList(build_block(kind, cfg) for kind in self.block_kinds)
         for module in self.blocks.modules():
             if isinstance(module, CausalSelfAttention):
                 module.set_backend(cfg.attention)
-        self.norm = nn.LayerNorm(cfg.d_model, bias=False)
+        self.norm = make_norm(cfg.d_model, cfg.arch())
         ee = cfg.early_exit
         self.early_exit = EarlyExit(cfg.n_layers, ee.threshold, ee.loss_coef, ee.min_layer) if ee.enabled else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -55,6 +58,8 @@ class MoDETransformer(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:  # GPT-2 style biases; routers already 0
+            nn.init.zeros_(module.bias)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -71,8 +76,8 @@ class MoDETransformer(nn.Module):
         token's output depends on later tokens); ``caches`` (from ``new_caches``) are filled
         with the keys/values of the tokens each block computed, for ``decode``.
 
-        Sequences longer than ``seq_len`` run (RoPE is computed per position) but are
-        extrapolation: the model was trained on ``seq_len``.
+        Sequences longer than ``seq_len`` run with RoPE (computed per position) but are
+        extrapolation: the model was trained on ``seq_len``; learned positions end there.
         """
         self.check_ids(idx)
         if targets is not None:
@@ -81,7 +86,7 @@ class MoDETransformer(nn.Module):
         if routing == "causal" or caches is not None:
             check_causal(self, "routing='causal'" if caches is None else "a KV cache")
         positions = None  # 0..T-1 in every block (RoPE rows from one cached table)
-        x = self.tok_emb(idx)
+        x = self.embed(idx)
         if self.early_exit is None:
             for i, block in enumerate(self.blocks):
                 x = block(x, positions, routing=routing, cache=caches[i] if caches is not None else None)
@@ -92,6 +97,20 @@ class MoDETransformer(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
+
+    def embed(self, idx: torch.Tensor, position: int = 0) -> torch.Tensor:
+        """idx: [B, T] tokens at positions ``position``.. -> [B, T, D] (token embedding, plus the
+        learned position embedding when ``positions="learned"``)."""
+        x = self.tok_emb(idx)
+        if self.pos_emb is None:
+            return x
+        end = position + idx.shape[1]
+        if end > self.cfg.seq_len:
+            raise ValueError(
+                f"position {end - 1} is past model.seq_len={self.cfg.seq_len}: learned position embeddings "
+                "end there (positions='rope' extrapolates)"
+            )
+        return x + self.pos_emb.weight[position:end]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> logits [..., V] (final norm + LM head; also every early-exit head)."""
@@ -168,7 +187,7 @@ class MoDETransformer(nn.Module):
         In a routed block a token that skips costs nothing and writes no KV entry."""
         B = idx.shape[0]
         positions = torch.full((B,), position, dtype=torch.long, device=idx.device)
-        x = self.tok_emb(idx)
+        x = self.embed(idx, position)
         ee = self.early_exit
         active = torch.ones(B, dtype=torch.bool, device=idx.device)
         for i, (block, cache) in enumerate(zip(self.blocks, caches, strict=True)):

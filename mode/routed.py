@@ -148,7 +148,7 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
 
 def keeps_float32(module: nn.Module) -> bool:
     """Whether ``module``'s parameters stay float32 when a block is computed in bf16: routers
-    and routing predictors (a class attribute ``keeps_float32 = True``) and LayerNorms. FSDP2
+    and routing predictors and RMSNorms (a class attribute ``keeps_float32 = True``) and LayerNorms. FSDP2
     gives them a float32 unit of their own (``mode.parallel.fsdp``)."""
     return bool(getattr(module, "keeps_float32", False)) or isinstance(module, nn.LayerNorm)
 

@@ -67,8 +67,19 @@ def sgd_gradients(model: torch.nn.Module, x, y, ctx=None) -> dict[str, torch.Ten
     return {k: before[k] - after[k] for k in before}
 
 
-def gradient_worker(rank: int, world: int, dp: int, ep: int, root: str) -> None:
-    cfg = step_config("mode_staged", dp, ep)
+# Grouped-query attention, RMSNorm, a SwiGLU dense MLP, query/key/value biases (the experts stay
+# GELU: SwiGLU experts at init have gradients too small to show a mis-scaled one).
+LLAMA_LIKE = [
+    "model.norm=rmsnorm",
+    "model.mlp=swiglu",
+    "model.n_kv_heads=2",
+    "model.qkv_bias=true",
+    "model.tie_embeddings=false",
+]
+
+
+def gradient_worker(rank: int, world: int, dp: int, ep: int, root: str, arch: list[str]) -> None:
+    cfg = step_config("mode_staged", dp, ep, *arch)
     ctx = init_mesh(dp, ep, cfg.model.moe.n_experts)
     torch.manual_seed(0)
     model = parallelize_model(MoDETransformer(cfg.model), cfg, ctx)
@@ -78,13 +89,14 @@ def gradient_worker(rank: int, world: int, dp: int, ep: int, root: str) -> None:
 
 
 @pytest.mark.slow
-def test_one_step_under_dp_and_ep_applies_the_one_process_gradient(tmp_path):
+@pytest.mark.parametrize("arch", [[], LLAMA_LIKE], ids=["default", "llama_like"])
+def test_one_step_under_dp_and_ep_applies_the_one_process_gradient(tmp_path, arch):
     """Mutants: expert gradients left undivided by ep, or non-expert ones unaveraged over the
     world (AdamW's update hides a constant scale, so the loss curves barely show it)."""
-    run_workers(gradient_worker, 4, 2, 2, str(tmp_path))
+    run_workers(gradient_worker, 4, 2, 2, str(tmp_path), arch)
     got = torch.load(tmp_path / "grads.pt")
     torch.manual_seed(0)
-    want = sgd_gradients(MoDETransformer(step_config("mode_staged").model).train(), X, Y)
+    want = sgd_gradients(MoDETransformer(step_config("mode_staged", 1, 1, *arch).model).train(), X, Y)
     assert got.keys() == want.keys()
     experts = [k for k in want if ".experts." in k]
     assert experts and all(want[k].abs().max() > 1e-4 for k in experts), "expert gradients too small to tell"

@@ -1,6 +1,7 @@
-"""Causal multi-head attention with RoPE at the tokens' original positions.
+"""Causal multi-head (or grouped-query) attention with RoPE at the tokens' original positions.
 
-Legend: B batch, T tokens (possibly a routed subset), H heads, Dh head dim, D = H * Dh.
+Legend: B batch, T tokens (possibly a routed subset), H query heads, Hkv key/value heads (a
+divisor of H: query head h reads key/value head h // (H / Hkv)), Dh head dim, D = H * Dh.
 A routed block gathers its chosen tokens in position order and passes their original
 positions, so RoPE and the causal mask are those of the full sequence restricted to the
 chosen set.
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mode.layers.arch import DEFAULT_ARCH, Arch
+
 AttentionBackend = Literal["sdpa", "xformers"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
@@ -38,21 +41,24 @@ def attention_unavailable_reason(backend: str, device: torch.device | str | None
 
 
 def xformers_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q, k, v: [B, H, T, Dh] -> [B, H, T, Dh], causal in token order (xformers' layout is
-    [B, T, H, Dh])."""
+    """q: [B, H, T, Dh], k, v: [B, Hkv, T, Dh] -> [B, H, T, Dh], causal in token order
+    (xformers' layout is [B, T, H, Dh]; grouped key/value heads are repeated for it)."""
     import xformers.ops as xops  # noqa: PLC0415
 
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     y = xops.memory_efficient_attention(q, k, v, attn_bias=xops.LowerTriangularMask())
     return y.transpose(1, 2)
 
 
-def attention_flops(n: int, d: int, masked: bool = True) -> int:
+def attention_flops(n: int, d: int, masked: bool = True, kv_share: float = 1.0) -> int:
     """Forward FLOPs (2 per multiply-add) of attention over n tokens: QKV + output projections
-    (8 n D^2) and scores/values, 4 n^2 D with the causal mask's masked half counted
-    (``masked=True``, as ``FlopCounterMode``), else 2 n (n+1) D (what a flash kernel computes)."""
+    (4 n D^2 for Q and the output, 4 n D^2 * kv_share for K and V, where kv_share = Hkv / H)
+    and scores/values, 4 n^2 D with the causal mask's masked half counted (``masked=True``, as
+    ``FlopCounterMode``), else 2 n (n+1) D (what a flash kernel computes)."""
     scores = 4 * n * n * d if masked else 2 * n * (n + 1) * d
-    return 8 * n * d * d + scores
+    return 4 * n * d * d + round(4 * n * d * d * kv_share) + scores
 
 
 def rope_rows(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
@@ -66,7 +72,7 @@ def rope_rows(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tens
 
 # (device, head_dim, base) -> [L, 2, Dh] rows of positions 0..L-1, grown on demand: computed
 # once per process for every layer and step, not once per layer per forward; and the
-# (C, S) views [T, 1, 1, Dh] of its first T rows, so a dense block's RoPE costs no table op.
+# (C, S) views [T, Dh] of its first T rows, so a dense block's RoPE costs no table op.
 _ROPE_TABLES: dict[tuple[str, int, float], torch.Tensor] = {}
 _ROPE_PREFIXES: dict[tuple[str, int, float, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -89,12 +95,12 @@ def rope_table(length: int, head_dim: int, base: float, device: torch.device) ->
 
 
 def rope_prefix(length: int, head_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(C, S): [length, 1, 1, Dh] each, the RoPE factors of positions 0..length-1, shaped to
-    broadcast over [B, T, n, H, Dh] (cached views of ``rope_table``)."""
+    """(C, S): [length, Dh] each, the RoPE factors of positions 0..length-1, which broadcast
+    over heads-major [B, H, T, Dh] (cached views of ``rope_table``)."""
     key = (str(device), head_dim, float(base), length)
     cached = None if torch.compiler.is_compiling() else _ROPE_PREFIXES.get(key)
     if cached is None:
-        rows = rope_table(length, head_dim, base, device)[:, :, None, None, :]  # [T, 2, 1, 1, Dh]
+        rows = rope_table(length, head_dim, base, device)  # [T, 2, Dh]
         cached = rows[:, 0], rows[:, 1]
         if not torch.compiler.is_compiling():
             _ROPE_PREFIXES[key] = cached
@@ -125,23 +131,28 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x rotated by RoPE: x [B, T, n, H, Dh] (q and k together: n = 2), c and s its factors
-    broadcast to x (``rope_prefix``'s [T, 1, 1, Dh], or [B, T, 1, 1, Dh] gathered rows)."""
+    """x rotated by RoPE: x [B, H, T, Dh] (the query and key heads together), c and s its
+    factors broadcast to x (``rope_prefix``'s [T, Dh], or [B, 1, T, Dh] gathered rows)."""
     return _Rope.apply(x, c, s)
 
 
 class CausalSelfAttention(nn.Module):
     """x: [B, T, D] -> [B, T, D]; causal over the given token order (positions ascending)."""
 
-    def __init__(self, d_model: int, n_heads: int, rope_base: float = 10000.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, arch: Arch = DEFAULT_ARCH) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
         self.n_heads = n_heads
+        self.n_kv_heads = arch.kv_heads(n_heads)
         self.head_dim = d_model // n_heads
-        self.rope_base = rope_base
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.proj = nn.Linear(d_model, d_model, bias=False)
+        if arch.rope and self.head_dim % 2:
+            raise ValueError(f"head dim d_model/n_heads={self.head_dim} must be even for RoPE")
+        self.use_rope = arch.rope
+        self.rope_base = arch.rope_base
+        width = (n_heads + 2 * self.n_kv_heads) * self.head_dim  # q, k, v heads in this order
+        self.qkv = nn.Linear(d_model, width, bias=arch.bias or arch.qkv_bias)
+        self.proj = nn.Linear(d_model, d_model, bias=arch.bias)
         self.backend: AttentionBackend = "sdpa"
 
     def set_backend(self, backend: str) -> None:
@@ -157,8 +168,8 @@ class CausalSelfAttention(nn.Module):
     def rope(
         self, positions: torch.Tensor | None, T: int, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE factors (C, S) for T tokens at ``positions`` [B, T] (None: 0..T-1, [T, 1, 1, Dh]
-        views of the cached table), else [B, T, 1, 1, Dh]. ``length`` bounds the positions
+        """RoPE factors (C, S) for T tokens at ``positions`` [B, T] (None: 0..T-1, [T, Dh]
+        views of the cached table), else [B, 1, T, Dh]. ``length`` bounds the positions
         (e.g. the full sequence a routed block gathered from): the rows are then one gather
         from the cached table; without it they are computed from the positions."""
         if positions is None:
@@ -167,19 +178,22 @@ class CausalSelfAttention(nn.Module):
             rows = rope_table(length, self.head_dim, self.rope_base, positions.device)[positions]
         else:
             rows = rope_rows(positions, self.head_dim, self.rope_base)
-        rows = rows[:, :, :, None, None, :]  # [B, T, 2, 1, 1, Dh]
-        return rows[:, :, 0], rows[:, :, 1]
+        rows = rows[:, None]  # [B, 1, T, 2, Dh]
+        return rows[..., 0, :], rows[..., 1, :]
 
     def project_qkv(
         self, x: torch.Tensor, positions: torch.Tensor | None, length: int | None = None
     ) -> tuple[torch.Tensor, ...]:
-        """x: [B, T, D], positions: [B, T] (None: 0..T-1; ``length`` as in ``rope``) -> q, k,
-        v: [B, H, T, Dh] with RoPE applied to q and k (one rotation of both)."""
+        """x: [B, T, D], positions: [B, T] (None: 0..T-1; ``length`` as in ``rope``) -> q
+        [B, H, T, Dh], k, v [B, Hkv, T, Dh] with RoPE applied to q and k (one rotation of both)."""
         B, T, D = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim)
-        qk = apply_rope(qkv[:, :, :2], *self.rope(positions, T, length))
-        q, k = qk.permute(2, 0, 3, 1, 4).unbind(0)
-        return q, k, qkv[:, :, 2].transpose(1, 2)
+        H, Hkv = self.n_heads, self.n_kv_heads
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
+        qk, v = qkv.split((H + Hkv, Hkv), dim=1)
+        if self.use_rope:
+            qk = apply_rope(qk, *self.rope(positions, T, length))
+        q, k = qk.split((H, Hkv), dim=1)
+        return q, k, v
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
         """y: [B, H, T, Dh] -> [B, T, D]."""
@@ -189,7 +203,7 @@ class CausalSelfAttention(nn.Module):
     def attend(
         self, x: torch.Tensor, positions: torch.Tensor | None, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, D] -> (out [B, T, D], k, v [B, H, T, Dh]), causal over the given order;
+        """x: [B, T, D] -> (out [B, T, D], k, v [B, Hkv, T, Dh]), causal over the given order;
         positions [B, T] (None: 0..T-1) and ``length`` as in ``rope``."""
         q, k, v = self.project_qkv(x, positions, length)
         # NOTE: positions are ascending within a row, so "causal in token order" is "causal by
@@ -200,8 +214,13 @@ class CausalSelfAttention(nn.Module):
                 raise RuntimeError(f"attention backend 'xformers' cannot run: {reason}")
             y = xformers_causal_attention(q, k, v)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
         return self.output(y), k, v
+
+    @property
+    def grouped(self) -> bool:
+        """Whether key/value heads serve groups of query heads (grouped-query attention)."""
+        return self.n_kv_heads != self.n_heads
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.attend(x, positions)[0]
@@ -212,4 +231,4 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.project_qkv(x, positions[:, None])
         cache.append(rows, k, v)
         keys, values, mask = cache.view(rows)
-        return self.output(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
+        return self.output(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.grouped))

@@ -21,6 +21,7 @@ from torch import nn
 
 from mode.checks import check_choice, check_hidden
 from mode.experts.moe import DroplessMoE, MoELayer, expert_width
+from mode.layers.arch import DEFAULT_ARCH, Arch, make_norm
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.kv_cache import KVCache
 from mode.layers.mlp import MLP
@@ -40,17 +41,18 @@ def check_routing(routing: str) -> None:
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block around any MLP-like module (``[N..., D] -> [N..., D]``)."""
+    """Pre-norm block around any MLP-like module (``[N..., D] -> [N..., D]``); ``arch`` chooses
+    the norms and the attention's heads, biases and positions (``mode.layers.arch``)."""
 
-    def __init__(self, d_model: int, n_heads: int, mlp: nn.Module, rope_base: float = 10000.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, mlp: nn.Module, arch: Arch = DEFAULT_ARCH) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(d_model, bias=False)
-        self.attn = CausalSelfAttention(d_model, n_heads, rope_base)
-        self.norm2 = nn.LayerNorm(d_model, bias=False)
+        self.norm1 = make_norm(d_model, arch)
+        self.attn = CausalSelfAttention(d_model, n_heads, arch)
+        self.norm2 = make_norm(d_model, arch)
         self.mlp = mlp
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        return KVCache(batch, self.attn.n_heads, self.attn.head_dim, dtype, device)
+        return KVCache(batch, self.attn.n_kv_heads, self.attn.head_dim, dtype, device)
 
     def delta(
         self,
@@ -100,17 +102,20 @@ class TransformerBlock(nn.Module):
 
 
 class DenseBlock(TransformerBlock):
-    """The standard block: attention + GELU MLP of width ``mlp_ratio * d_model``."""
+    """The standard block: attention + an MLP (``arch.mlp``) of width ``d_ff`` (default
+    ``mlp_ratio * d_model``)."""
 
-    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, rope_base: float = 10000.0) -> None:
-        super().__init__(d_model, n_heads, MLP(d_model, mlp_ratio * d_model), rope_base)
+    def __init__(
+        self, d_model: int, n_heads: int, mlp_ratio: int = 4, arch: Arch = DEFAULT_ARCH, d_ff: int | None = None
+    ) -> None:
+        super().__init__(d_model, n_heads, MLP(d_model, d_ff or mlp_ratio * d_model, arch), arch)
 
 
 class MoEBlock(TransformerBlock):
     """Attention on every token, then an MoE layer (``DroplessMoE`` or ``CapacityMoE``) as the MLP."""
 
-    def __init__(self, d_model: int, n_heads: int, moe: MoELayer, rope_base: float = 10000.0) -> None:
-        super().__init__(d_model, n_heads, moe, rope_base)
+    def __init__(self, d_model: int, n_heads: int, moe: MoELayer, arch: Arch = DEFAULT_ARCH) -> None:
+        super().__init__(d_model, n_heads, moe, arch)
 
 
 class IntegratedMoDEBlock(MoEBlock):
@@ -130,11 +135,11 @@ class IntegratedMoDEBlock(MoEBlock):
         top_k: int = 1,
         d_ff: int | None = None,
         noop_share: float = 0.5,
-        rope_base: float = 10000.0,
+        arch: Arch = DEFAULT_ARCH,
         moe: MoELayer | None = None,
         **moe_kwargs,
     ) -> None:
         if moe is None:
             d_ff = d_ff or expert_width(d_model, top_k)
             moe = DroplessMoE(d_model, d_ff, n_experts, top_k, n_noop=n_noop, noop_share=noop_share, **moe_kwargs)
-        super().__init__(d_model, n_heads, moe, rope_base)
+        super().__init__(d_model, n_heads, moe, arch)

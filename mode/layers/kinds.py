@@ -24,6 +24,7 @@ from torch import nn
 
 from mode.experts.mlp import mlp_flops
 from mode.experts.moe import MOE_CLASSES, MoEConfig, MoELayer, moe_flops
+from mode.layers.arch import Arch
 from mode.layers.attention import attention_flops
 from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoEBlock
 from mode.layers.mod import MoDBlock, RandomMoDBlock, RoutingConfig, StagedMoDEBlock
@@ -36,11 +37,14 @@ class ModelShape(Protocol):
     d_model: int
     n_heads: int
     mlp_ratio: int
-    rope_base: float
     mod: RoutingConfig
     moe: MoEConfig
 
     def expert_d_ff(self) -> int: ...
+
+    def dense_d_ff(self) -> int: ...
+
+    def arch(self) -> Arch: ...
 
 
 def build_moe(cfg: ModelShape, capacity: bool = False, n_noop: int = 0) -> MoELayer:
@@ -70,9 +74,14 @@ class BlockKind:
 
 
 # -- per-kind FLOPs --------------------------------------------------------------------------
+def _attention_flops(cfg: ModelShape, T: int, masked: bool) -> int:
+    arch = cfg.arch()
+    return attention_flops(T, cfg.d_model, masked, arch.kv_heads(cfg.n_heads) / cfg.n_heads)
+
+
 def _dense_flops(cfg: ModelShape, T: int, masked: bool) -> int:
-    d = cfg.d_model
-    return attention_flops(T, d, masked) + mlp_flops(T, d, cfg.mlp_ratio * d)
+    mlp = "swiglu" if cfg.arch().mlp == "swiglu" else "gelu"
+    return _attention_flops(cfg, T, masked) + mlp_flops(T, cfg.d_model, cfg.dense_d_ff(), mlp)
 
 
 def _mod_router_flops(cfg: ModelShape, T: int) -> int:
@@ -98,7 +107,7 @@ def _moe_block_flops(cfg: ModelShape, T: int, masked: bool, capacity: bool = Fal
     real_share = 1.0 - (cfg.moe.noop_share if n_noop else 0.0)
     layer = _moe_layer(cfg, capacity)
     moe = moe_flops(T, cfg.d_model, cfg.expert_d_ff(), cfg.moe, layer, real_share, n_noop)
-    return attention_flops(T, cfg.d_model, masked) + moe
+    return _attention_flops(cfg, T, masked) + moe
 
 
 def _staged_flops(cfg: ModelShape, T: int, masked: bool) -> int:
@@ -108,28 +117,28 @@ def _staged_flops(cfg: ModelShape, T: int, masked: bool) -> int:
 
 # -- the table -------------------------------------------------------------------------------
 def _dense(cfg: ModelShape) -> nn.Module:
-    return DenseBlock(cfg.d_model, cfg.n_heads, cfg.mlp_ratio, cfg.rope_base)
+    return DenseBlock(cfg.d_model, cfg.n_heads, arch=cfg.arch(), d_ff=cfg.dense_d_ff())
 
 
 def _mod(cfg: ModelShape) -> nn.Module:
-    return MoDBlock.from_config(cfg.d_model, cfg.n_heads, cfg.mod, mlp_ratio=cfg.mlp_ratio, rope_base=cfg.rope_base)
+    return MoDBlock.from_config(cfg.d_model, cfg.n_heads, cfg.mod, arch=cfg.arch(), inner=_dense(cfg))
 
 
 def _mod_random(cfg: ModelShape) -> nn.Module:
-    return RandomMoDBlock(cfg.d_model, cfg.n_heads, cfg.mod.capacity, cfg.mlp_ratio, cfg.rope_base, cfg.mod.kernels)
+    return RandomMoDBlock(cfg.d_model, cfg.n_heads, cfg.mod.capacity, kernels=cfg.mod.kernels, inner=_dense(cfg))
 
 
 def _moe(capacity: bool) -> Callable[[ModelShape], nn.Module]:
-    return lambda cfg: MoEBlock(cfg.d_model, cfg.n_heads, build_moe(cfg, capacity), cfg.rope_base)
+    return lambda cfg: MoEBlock(cfg.d_model, cfg.n_heads, build_moe(cfg, capacity), cfg.arch())
 
 
 def _staged(cfg: ModelShape) -> nn.Module:
-    return StagedMoDEBlock.from_config(cfg.d_model, cfg.n_heads, cfg.mod, moe=build_moe(cfg), rope_base=cfg.rope_base)
+    return StagedMoDEBlock.from_config(cfg.d_model, cfg.n_heads, cfg.mod, moe=build_moe(cfg), arch=cfg.arch())
 
 
 def _integrated(cfg: ModelShape) -> nn.Module:
     moe = build_moe(cfg, n_noop=cfg.moe.n_noop)
-    return IntegratedMoDEBlock(cfg.d_model, cfg.n_heads, moe=moe, rope_base=cfg.rope_base)
+    return IntegratedMoDEBlock(cfg.d_model, cfg.n_heads, moe=moe, arch=cfg.arch())
 
 
 BLOCK_KINDS: dict[str, BlockKind] = {

@@ -18,6 +18,7 @@ import torch
 from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range
 from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer, expert_width
 from mode.kernels import triton_missing_reason, triton_unavailable_reason
+from mode.layers.arch import DEFAULT_ARCH, Arch
 from mode.layers.blocks import DenseBlock, MoEBlock, TransformerBlock, check_routing, default_positions
 from mode.layers.kv_cache import KVCache
 from mode.layers.predictor import RoutingPredictor
@@ -106,6 +107,7 @@ class MoDBlock(Routed):
             score minus the top-k threshold of the tokens so far, plus a small MLP on
             ``x.detach()``).
         causal_coef: coefficient of that BCE loss.
+        arch: the default inner block's norms, attention and MLP (``mode.layers.arch``).
         inner: the block to route around (default: a ``DenseBlock``); must have ``delta``.
         kernels: who gathers the chosen tokens and adds ``g * f`` back: "auto", "torch" or
             "triton" (``TokenKernels``); "triton" raises at construction where Triton is not
@@ -119,7 +121,7 @@ class MoDBlock(Routed):
         capacity: float = 0.125,
         mlp_ratio: int = 4,
         gate: str = "sigmoid",
-        rope_base: float = 10000.0,
+        arch: Arch = DEFAULT_ARCH,
         inner: TransformerBlock | None = None,
         causal: str = "none",
         causal_coef: float = 0.01,
@@ -134,12 +136,12 @@ class MoDBlock(Routed):
         self.kernels = kernels
         self.router = Router(d_model, 1, bias=True)  # the bias offsets the gate, not the choice
         self.predictor = RoutingPredictor(d_model, capacity, predictor_hidden) if causal == "predictor" else None
-        self.block = inner if inner is not None else DenseBlock(d_model, n_heads, mlp_ratio, rope_base)
+        self.block = inner if inner is not None else DenseBlock(d_model, n_heads, mlp_ratio, arch)
 
     @classmethod
     def from_config(cls, d_model: int, n_heads: int, cfg: RoutingConfig, **kwargs) -> MoDBlock:
         """The block ``cfg`` (``model.mod``) describes; ``kwargs`` are the other constructor
-        arguments (``mlp_ratio``, ``rope_base``; ``moe`` for ``StagedMoDEBlock``)."""
+        arguments (``mlp_ratio``, ``arch``, ``inner``; ``moe`` for ``StagedMoDEBlock``)."""
         return cls(
             d_model,
             n_heads,
@@ -330,11 +332,12 @@ class RandomMoDBlock(MoDBlock):
         n_heads: int,
         capacity: float = 0.125,
         mlp_ratio: int = 4,
-        rope_base: float = 10000.0,
+        arch: Arch = DEFAULT_ARCH,
         kernels: str = "auto",
+        inner: TransformerBlock | None = None,
     ) -> None:
         super().__init__(
-            d_model, n_heads, capacity, mlp_ratio, gate="none", rope_base=rope_base, causal="none", kernels=kernels
+            d_model, n_heads, capacity, mlp_ratio, gate="none", arch=arch, inner=inner, causal="none", kernels=kernels
         )
         self.router.requires_grad_(False)
 
@@ -375,7 +378,7 @@ class StagedMoDEBlock(MoDBlock):
         d_ff: int | None = None,
         gate: str = "sigmoid",
         dropless: bool = True,
-        rope_base: float = 10000.0,
+        arch: Arch = DEFAULT_ARCH,
         causal: str = "none",
         causal_coef: float = 0.01,
         predictor_hidden: int = 64,
@@ -391,8 +394,8 @@ class StagedMoDEBlock(MoDBlock):
             n_heads,
             capacity,
             gate=gate,
-            rope_base=rope_base,
-            inner=MoEBlock(d_model, n_heads, moe, rope_base),
+            arch=arch,
+            inner=MoEBlock(d_model, n_heads, moe, arch),
             causal=causal,
             causal_coef=causal_coef,
             predictor_hidden=predictor_hidden,
