@@ -25,10 +25,18 @@ model of the same width, depth, heads and vocabulary:
   their symmetry.
 
 Everything random comes from ``seed``: the conversion is deterministic.
+
+A Hugging Face checkpoint directory is a source too, written ``hf:<dir>`` (``mode.hf``
+reads it). Its shape and architecture then define the target's: the target keeps its
+layout, routing and expert options, takes every ``model.*`` field of the published model
+(``seq_len`` only when its positions are learned), experts compute its MLP, and with
+``moe.d_ff: 0`` they are its hidden width over ``top_k`` (the presets' same-active-FLOPs
+width).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -45,6 +53,7 @@ from mode.layers.mod import MoDBlock
 from mode.model import MoDETransformer
 
 StateDict = dict[str, torch.Tensor]
+HF_PREFIX = "hf:"
 # the dense model's shape and architecture (mode.layers.arch), kept by every target
 MATCHED = (
     "vocab_size",
@@ -72,6 +81,11 @@ def load_dense(source: str | Path | MoDETransformer | StateDict, config: ModelCo
         if config is None:
             raise ValueError("upcycling from a state dict needs the dense model's ModelConfig: pass dense_config=")
         return source, config
+    if is_hf(source):
+        from mode.hf import from_hf  # noqa: PLC0415  (the hf extra)
+
+        model = from_hf(str(source)[len(HF_PREFIX) :])
+        return model.state_dict(), model.cfg
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"no dense checkpoint at {path} (train.init_from / --init-from)")
@@ -79,6 +93,34 @@ def load_dense(source: str | Path | MoDETransformer | StateDict, config: ModelCo
     model = MoDETransformer(cfg)
     checkpoint.load(path, model)
     return model.state_dict(), cfg
+
+
+def is_hf(source: object) -> bool:
+    """Whether an upcycling source names a Hugging Face checkpoint directory (``hf:<dir>``)."""
+    return isinstance(source, (str, Path)) and str(source).startswith(HF_PREFIX)
+
+
+def hf_source_config(source: str | Path) -> ModelConfig:
+    """The dense ``ModelConfig`` of an ``hf:<dir>`` source (reads its ``config.json`` only)."""
+    from mode.hf import config_from_hf, hf_config  # noqa: PLC0415
+
+    return config_from_hf(hf_config(str(source)[len(HF_PREFIX) :]))
+
+
+# what a target takes over from a published model: every model field but these
+KEPT_BY_TARGET = ("layout", "mod", "moe", "early_exit", "attention", "seq_len")
+
+
+def with_dense_shape(target: ModelConfig, dense: ModelConfig) -> ModelConfig:
+    """``target`` with the dense model's shape and architecture (see the module docstring)."""
+    taken = {f.name: getattr(dense, f.name) for f in dataclasses.fields(ModelConfig) if f.name not in KEPT_BY_TARGET}
+    if dense.positions == "learned":
+        taken["seq_len"] = dense.seq_len
+    moe = target.moe
+    if any_kind(target.block_kinds(), "holds_experts"):
+        mlp = dense.mlp if dense.mlp in ("gelu", "swiglu") else moe.mlp  # else refused by check_convertible
+        moe = dataclasses.replace(moe, mlp=mlp, d_ff=moe.d_ff or max(1, dense.dense_d_ff() // moe.top_k))
+    return dataclasses.replace(target, **taken, moe=moe)
 
 
 def check_convertible(dense: ModelConfig, target: ModelConfig) -> None:
@@ -135,11 +177,14 @@ def upcycle(
 ) -> MoDETransformer:
     """The ``target`` model filled from the dense ``source`` (see the module docstring).
 
-    ``source``: a checkpoint path (``ckpt.pt`` or a DCP ``ckpt/``), a ``MoDETransformer`` or a
-    state dict (then ``dense_config`` is required). Raises ``ConfigError`` naming the field
-    when the target cannot be filled from that model."""
+    ``source``: a checkpoint path (``ckpt.pt`` or a DCP ``ckpt/``), ``hf:<dir>`` (a Hugging
+    Face checkpoint, whose shape the target takes), a ``MoDETransformer`` or a state dict
+    (then ``dense_config`` is required). Raises ``ConfigError`` naming the field when the
+    target cannot be filled from that model."""
     tcfg = target.model if isinstance(target, Config) else target
     state, dcfg = load_dense(source, dense_config)
+    if is_hf(source):
+        tcfg = with_dense_shape(tcfg, dcfg)
     check_convertible(dcfg, tcfg)
     if not 0.0 < gate_init < 1.0:
         fail("gate_init", gate_init, "must be in (0, 1)")

@@ -29,7 +29,7 @@ import torch
 from mode import checkpoint, telemetry
 from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
-from mode.convert import upcycle
+from mode.convert import HF_PREFIX, hf_source_config, is_hf, upcycle, with_dense_shape
 from mode.data import TokenSplit, load_splits
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import any_kind
@@ -126,6 +126,8 @@ class Run:
         tc = cfg.train
         if tc.threads:
             torch.set_num_threads(tc.threads)
+        if is_hf(tc.init_from):  # a published model defines the shape (mode.convert.with_dense_shape)
+            cfg.model = with_dense_shape(cfg.model, hf_source_config(tc.init_from))
         ctx = init_parallel(cfg)
         device = ctx.device if ctx else telemetry.resolve_device(tc.device)
         precision = resolve(tc.precision, device)
@@ -162,7 +164,8 @@ class Run:
         world = ctx.world_size if ctx else 1
         info = {"precision": precision, "world_size": world, "peak_flops_per_rank": peak_flops, "peak_how": peak_how}
         if tc.init_from:  # the checkpoint this run's weights were converted from (resumes keep saying it)
-            info["init_from"] = str(Path(tc.init_from).resolve())
+            source = tc.init_from.removeprefix(HF_PREFIX)
+            info["init_from"] = tc.init_from[: len(tc.init_from) - len(source)] + str(Path(source).resolve())
         log.write_json("run_info.json", info)
         flops = train_flops_per_step(cfg.model, tc.batch_size)
         objective = LMObjective(model)
@@ -333,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         "--init-from",
         metavar="PATH",
         default=None,
-        help="start from a dense checkpoint converted to --config's model (mode.convert.upcycle), fresh optimizer",
+        help="start from a dense checkpoint converted to --config's model (mode.convert.upcycle), fresh optimizer; "
+        "hf:<dir> for a Hugging Face checkpoint (its shape and architecture replace the preset's)",
     )
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. model.n_layers=8")
     args = parser.parse_args(argv)

@@ -1,7 +1,16 @@
 """The README's smallest example runs as written, and the documents it links exist."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+from mode.checkpoint import checkpoint_config, load_checkpoint
+from mode.model import MoDETransformer
+from tests.tolerances import assert_close
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -18,3 +27,30 @@ def test_every_linked_document_exists():
     assert links
     missing = [link for link in links if not (ROOT / link).exists()]
     assert not missing, missing
+
+
+@pytest.mark.slow
+def test_the_hugging_face_commands_run_at_tiny_size(tmp_path):
+    """The README's "From and to Hugging Face" commands, on a tiny random Llama and a few
+    steps; transformers then computes the exported model's logits."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf import hf_model
+
+    section = README.split("## From and to Hugging Face", 1)[1]
+    commands = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0]
+    hf_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    tiny = "model.seq_len=32 train.steps=2 train.eval_every=2 train.eval_batches=1 train.batch_size=2"
+    tiny += " train.progress=false train.max_seconds=0"
+    script = commands.replace("path/to/llama", str(tmp_path / "llama")).replace("runs/", f"{tmp_path}/runs/")
+    script = script.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+    script = "\n".join(
+        line.split("#")[0] + (f" {tiny}" if "mode-train" in line else "") for line in script.splitlines()
+    )
+    subprocess.run(["bash", "-euc", script], cwd=ROOT, check=True, capture_output=True)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "moe_hf").eval()
+    model = MoDETransformer(checkpoint_config(tmp_path / "runs" / "moe" / "ckpt.pt").model)
+    load_checkpoint(tmp_path / "runs" / "moe" / "ckpt.pt", model)
+    idx = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert_close(back(idx).logits, model.eval()(idx)[0], "model")
+    assert (tmp_path / "runs" / "staged" / "ckpt.pt").is_file()

@@ -1,0 +1,547 @@
+"""Hugging Face checkpoints in and out: ``from_hf(dir)`` and ``to_hf(model, dir)``.
+
+A checkpoint directory holds ``config.json`` and ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``). Reading needs ``safetensors`` only (``pip install
+'mode-moe[hf]'``); ``transformers`` is not imported.
+
+Families (``config.json``'s ``model_type``):
+
+- ``llama``, ``mistral``, ``qwen2`` -> a dense model: RMSNorm, SwiGLU, grouped-query attention
+  with RoPE (Qwen2 with query/key/value biases). Mistral's sliding window becomes the model's
+  ``seq_len`` (within the window, sliding-window attention is full causal attention).
+- ``gpt2`` -> a dense model: biased LayerNorm and linears, tanh-GELU MLP, learned positions,
+  tied head (GPT-2's ``Conv1D`` weights are stored transposed).
+- ``mixtral`` -> a ``moe`` layout: a softmax router over ``num_local_experts``, top
+  ``num_experts_per_tok`` renormalized, SwiGLU experts (the per-expert ``w1/w2/w3`` layout
+  and transformers 5's fused ``gate_up_proj``/``down_proj`` both read).
+
+``to_hf`` writes dense models of the three architectures above and ``moe`` models as Mixtral,
+in the per-expert layout every transformers version loads, so that
+``AutoModelForCausalLM.from_pretrained(dir)`` computes this model's logits. Anything else is
+refused by name before a file is written: MoD and MoDE layouts (transformers has no
+depth-routed block), no-op experts, shared experts, capacity or expert-choice MoE, an
+aux-loss-free selection bias that is not zero, and architectures no family has (this
+library's default, bias-free LayerNorm with a GELU MLP and RoPE, is one of them).
+
+Also refused on reading, by field: Qwen2-MoE's gated shared expert, OLMoE's query/key norms,
+RoPE scaling, a head dim other than ``hidden_size / num_attention_heads``, attention or MLP
+biases in Llama, sliding windows on some layers only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mode.checks import ConfigError
+from mode.config import ModelConfig, from_dict
+from mode.model import MoDETransformer
+
+__all__ = ["UnsupportedCheckpoint", "config_from_hf", "from_hf", "hf_config", "hf_family", "read_hf_state", "to_hf"]
+
+StateDict = dict[str, torch.Tensor]
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral")
+# the transformers class of each family this library writes
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "mixtral": "MixtralForCausalLM",
+}
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A Hugging Face checkpoint or a model that the conversion cannot map exactly; the
+    message names every field at fault."""
+
+
+def _refuse(where: str, problems: list[str]) -> None:
+    if problems:
+        raise UnsupportedCheckpoint(f"{where} cannot be converted exactly:\n  - " + "\n  - ".join(problems))
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def hf_config(path: str | Path) -> dict:
+    """``config.json`` of a checkpoint directory as a dict."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")
+    return json.loads(file.read_text())
+
+
+def read_hf_state(path: str | Path) -> StateDict:
+    """Every tensor of a checkpoint directory: ``model.safetensors``, or the shards its
+    ``model.safetensors.index.json`` lists."""
+    from safetensors.torch import load_file  # noqa: PLC0415  (the hf extra)
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        raise FileNotFoundError(
+            f"no model.safetensors or model.safetensors.index.json in {path} (found {found}): "
+            "save the model with safe_serialization (transformers' default)"
+        )
+    state: StateDict = {}
+    for shard in shards:
+        state.update(load_file(path / shard))
+    return state
+
+
+def _rope_base(c: dict, problems: list[str]) -> float:
+    params = c.get("rope_parameters") or {}  # transformers 5
+    scaling = c.get("rope_scaling") or {}  # transformers 4
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        problems.append(f"rope type {kind!r} (RoPE scaling): only plain RoPE is implemented")
+    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+def _check_heads(c: dict, problems: list[str]) -> None:
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    if c.get("head_dim") not in (None, d // h):
+        problems.append(f"head_dim={c['head_dim']}: heads here are hidden_size / num_attention_heads = {d // h}")
+    kinds = set(c.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        problems.append(f"layer_types={sorted(kinds)}: every layer attends fully here")
+
+
+def config_from_hf(c: dict) -> ModelConfig:
+    """The ``ModelConfig`` of a Hugging Face ``config.json`` (dict); ``UnsupportedCheckpoint``
+    naming every field it cannot represent."""
+    family = c.get("model_type")
+    if family not in FAMILIES:
+        raise UnsupportedCheckpoint(
+            f"model_type={family!r} is not supported: the families read are {list(FAMILIES)}" + _family_hint(family)
+        )
+    problems: list[str] = []
+    if family == "gpt2":
+        model = _gpt2_config(c, problems)
+    else:
+        model = _llama_config(c, family, problems)
+    _refuse(f"config.json (model_type={family!r})", problems)
+    try:
+        return from_dict({"model": model}).model
+    except ConfigError as e:
+        raise UnsupportedCheckpoint(f"config.json (model_type={family!r}) gives an invalid model: {e}") from e
+
+
+def _family_hint(family: str | None) -> str:
+    hints = {
+        "qwen2_moe": ": its shared expert has a sigmoid gate (shared_expert_gate) that mode's shared expert lacks",
+        "olmoe": ": it normalizes queries and keys (q_norm, k_norm), which mode's attention does not",
+        "qwen3": ": it normalizes queries and keys (q_norm, k_norm), which mode's attention does not",
+    }
+    return hints.get(family or "", "")
+
+
+def _llama_config(c: dict, family: str, problems: list[str]) -> dict:
+    _check_heads(c, problems)
+    if c.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={c['hidden_act']!r}: the SwiGLU MLP here uses silu")
+    for name in ("attention_bias", "mlp_bias"):
+        if c.get(name):
+            problems.append(f"{name}=true: a Llama-family model here has biases on q, k, v (Qwen2) or none")
+    seq_len = c.get("max_position_embeddings", 2048)
+    window = c.get("sliding_window")
+    if window and (family == "mistral" or c.get("use_sliding_window")):
+        seq_len = min(seq_len, window)  # within the window, sliding-window attention is full attention
+    model = {
+        "vocab_size": c["vocab_size"],
+        "seq_len": seq_len,
+        "d_model": c["hidden_size"],
+        "n_layers": c["num_hidden_layers"],
+        "n_heads": c["num_attention_heads"],
+        "n_kv_heads": c.get("num_key_value_heads") or c["num_attention_heads"],
+        "norm": "rmsnorm",
+        "norm_eps": c.get("rms_norm_eps", 1e-6),
+        "mlp": "swiglu",
+        "d_ff": c["intermediate_size"],
+        "qkv_bias": family == "qwen2",
+        "positions": "rope",
+        "rope_base": _rope_base(c, problems),
+        "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "layout": "dense",
+    }
+    if family == "mixtral":
+        if c.get("num_experts_per_tok") == 1:
+            problems.append(
+                "num_experts_per_tok=1: Mixtral gives its one expert weight 1, mode's top-1 weight is the router "
+                "probability (Switch)"
+            )
+        if c.get("router_jitter_noise"):
+            problems.append("router_jitter_noise: set it to 0 (router noise in training is model.moe.jitter here)")
+        model["layout"] = "moe"
+        model["moe"] = {
+            "n_experts": c["num_local_experts"],
+            "top_k": c["num_experts_per_tok"],
+            "d_ff": c["intermediate_size"],
+            "mlp": "swiglu",
+            "renormalize": True,
+        }
+    return model
+
+
+def _gpt2_config(c: dict, problems: list[str]) -> dict:
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(c.get("activation_function"))
+    if act is None:
+        problems.append(f"activation_function={c.get('activation_function')!r}: gelu_new or gelu")
+    for name in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if c.get(name):
+            problems.append(f"{name}=true: attention here scales by 1/sqrt(head_dim) only")
+    if c.get("scale_attn_weights") is False:
+        problems.append("scale_attn_weights=false: attention here scales by 1/sqrt(head_dim)")
+    d = c["n_embd"]
+    return {
+        "vocab_size": c["vocab_size"],
+        "seq_len": c["n_positions"],
+        "d_model": d,
+        "n_layers": c["n_layer"],
+        "n_heads": c["n_head"],
+        "norm": "layernorm",
+        "norm_eps": c.get("layer_norm_epsilon", 1e-5),
+        "mlp": act or "gelu_tanh",
+        "d_ff": c.get("n_inner") or 4 * d,
+        "bias": True,
+        "positions": "learned",
+        "tie_embeddings": bool(c.get("tie_word_embeddings", True)),
+        "layout": "dense",
+    }
+
+
+def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoDETransformer:
+    """The ``MoDETransformer`` of a Hugging Face checkpoint directory (see the module
+    docstring), in ``dtype``, in evaluation mode. Every tensor of the checkpoint is used and
+    every parameter filled, or ``UnsupportedCheckpoint`` names the keys."""
+    c = hf_config(path)
+    cfg = config_from_hf(c)
+    state = read_hf_state(path)
+    ours = state_from_hf(state, cfg, c["model_type"])
+    model = MoDETransformer(cfg)
+    _load_exactly(model, ours, f"{path}")
+    return model.to(dtype).eval()
+
+
+def _load_exactly(model: MoDETransformer, state: StateDict, where: str) -> None:
+    own = model.state_dict()
+    params = {k for k in own if not k.endswith("selection_bias")}
+    missing = sorted(params - state.keys())
+    if model.cfg.tie_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    unexpected = sorted(state.keys() - own.keys())
+    problems = [f"parameters the checkpoint lacks: {missing}"] if missing else []
+    problems += [f"checkpoint tensors with no place here: {unexpected}"] if unexpected else []
+    for k, v in state.items():
+        if k in own and own[k].shape != v.shape:
+            problems.append(f"{k}: shape {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} here")
+    _refuse(where, problems)
+    model.load_state_dict(state, strict=False)
+
+
+def state_from_hf(state: StateDict, cfg: ModelConfig, family: str) -> StateDict:
+    """A Hugging Face state dict (of ``family``) as this library's parameter names and layouts."""
+    tensors = _Tensors(state, "transformer." if family == "gpt2" else "model.")
+    out = _gpt2_in(tensors, cfg) if family == "gpt2" else _llama_in(tensors, cfg)
+    tensors.check_all_taken()
+    return out
+
+
+class _Tensors:
+    """A checkpoint's tensors, taken one by one under their names inside the model's
+    ``prefix`` (``model.`` / ``transformer.``; the head sits outside it); errors name the
+    checkpoint's own keys."""
+
+    IGNORED = ("attn.bias", "attn.masked_bias", "rotary_emb.inv_freq")  # buffers, not weights
+
+    def __init__(self, state: StateDict, prefix: str) -> None:
+        self.state, self.prefix = dict(state), prefix
+
+    def _key(self, name: str) -> str:
+        inside = self.prefix + name
+        return inside if inside in self.state or name not in self.state else name
+
+    def take(self, name: str) -> torch.Tensor:
+        key = self._key(name)
+        if key not in self.state:
+            raise UnsupportedCheckpoint(f"the checkpoint has no tensor {self.prefix + name!r}")
+        return self.state.pop(key)
+
+    def take_optional(self, name: str) -> torch.Tensor | None:
+        return self.state.pop(self._key(name), None)
+
+    def has(self, name: str) -> bool:
+        return self._key(name) in self.state
+
+    def check_all_taken(self) -> None:
+        rest = sorted(k for k in self.state if not k.endswith(self.IGNORED))
+        _refuse("the checkpoint", [f"checkpoint tensors with no place here: {rest}"] if rest else [])
+
+
+def _llama_in(state: _Tensors, cfg: ModelConfig) -> StateDict:
+    out = {"tok_emb.weight": state.take("embed_tokens.weight"), "norm.weight": state.take("norm.weight")}
+    head = state.take_optional("lm_head.weight")
+    if not cfg.tie_embeddings:
+        if head is None:
+            raise UnsupportedCheckpoint("tie_word_embeddings=false but the checkpoint has no lm_head.weight")
+        out["lm_head.weight"] = head
+    for i in range(cfg.n_layers):
+        p, q = f"layers.{i}.", f"blocks.{i}."
+        out[q + "norm1.weight"] = state.take(p + "input_layernorm.weight")
+        out[q + "norm2.weight"] = state.take(p + "post_attention_layernorm.weight")
+        a = p + "self_attn."
+        out[q + "attn.qkv.weight"] = torch.cat([state.take(a + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.qkv_bias:
+            out[q + "attn.qkv.bias"] = torch.cat([state.take(a + f"{n}_proj.bias") for n in "qkv"])
+        out[q + "attn.proj.weight"] = state.take(a + "o_proj.weight")
+        if cfg.layout == "moe":
+            out.update(_mixtral_experts_in(state, p, q + "mlp.", cfg.moe.n_experts))
+        else:
+            out[q + "mlp.fc.weight"] = state.take(p + "mlp.gate_proj.weight")
+            out[q + "mlp.up.weight"] = state.take(p + "mlp.up_proj.weight")
+            out[q + "mlp.proj.weight"] = state.take(p + "mlp.down_proj.weight")
+    return out
+
+
+def _mixtral_experts_in(state: _Tensors, p: str, q: str, n_experts: int) -> StateDict:
+    """Mixtral experts -> ``router.weight`` [E, D] and ``experts.w1/w3`` [E, D, F], ``w2`` [E, F, D]."""
+    if state.has(p + "mlp.experts.gate_up_proj"):  # transformers 5's fused layout
+        router = state.take(p + "mlp.gate.weight")
+        gate, up = state.take(p + "mlp.experts.gate_up_proj").chunk(2, dim=1)  # [E, F, D] each
+        down = state.take(p + "mlp.experts.down_proj")  # [E, D, F]
+    else:
+        m = p + "block_sparse_moe."
+        router = state.take(m + "gate.weight")
+        gate, down, up = (
+            torch.stack([state.take(m + f"experts.{e}.{w}.weight") for e in range(n_experts)])
+            for w in ("w1", "w2", "w3")
+        )
+    return {
+        q + "router.weight": router,
+        q + "experts.w1": gate.transpose(1, 2).contiguous(),
+        q + "experts.w3": up.transpose(1, 2).contiguous(),
+        q + "experts.w2": down.transpose(1, 2).contiguous(),
+    }
+
+
+def _gpt2_in(state: _Tensors, cfg: ModelConfig) -> StateDict:
+    out = {
+        "tok_emb.weight": state.take("wte.weight"),
+        "pos_emb.weight": state.take("wpe.weight"),
+        "norm.weight": state.take("ln_f.weight"),
+        "norm.bias": state.take("ln_f.bias"),
+    }
+    head = state.take_optional("lm_head.weight")
+    if not cfg.tie_embeddings and head is not None:
+        out["lm_head.weight"] = head
+    # (ours, theirs, transposed: Conv1D stores [in, out])
+    names = [
+        ("norm1", "ln_1", False),
+        ("attn.qkv", "attn.c_attn", True),
+        ("attn.proj", "attn.c_proj", True),
+        ("norm2", "ln_2", False),
+        ("mlp.fc", "mlp.c_fc", True),
+        ("mlp.proj", "mlp.c_proj", True),
+    ]
+    for i in range(cfg.n_layers):
+        for ours, theirs, transposed in names:
+            w = state.take(f"h.{i}.{theirs}.weight")
+            out[f"blocks.{i}.{ours}.weight"] = w.t().contiguous() if transposed else w
+            out[f"blocks.{i}.{ours}.bias"] = state.take(f"h.{i}.{theirs}.bias")
+    return out
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def hf_family(cfg: ModelConfig) -> str:
+    """The Hugging Face family a model config exports to; ``UnsupportedCheckpoint`` naming
+    every field that keeps it from one."""
+    kinds = set(cfg.block_kinds())
+    problems = []
+    if kinds - {"dense", "moe"} or len(kinds) > 1:
+        problems.append(
+            f"model.layout={cfg.layout!r}: transformers has no depth-routed (MoD/MoDE) or mixed-layout model; "
+            "export supports layout 'dense' or 'moe' (every block)"
+        )
+    gpt2 = (cfg.norm, cfg.mlp, cfg.bias, cfg.positions) == ("layernorm", "gelu_tanh", True, "learned")
+    llama = (cfg.norm, cfg.mlp, cfg.bias, cfg.positions) == ("rmsnorm", "swiglu", False, "rope")
+    if not (gpt2 or llama):
+        problems.append(
+            f"architecture norm={cfg.norm}, mlp={cfg.mlp}, bias={cfg.bias}, positions={cfg.positions}: export needs "
+            "GPT-2's (layernorm, gelu_tanh, bias=true, learned) or Llama's (rmsnorm, swiglu, bias=false, rope)"
+        )
+    if gpt2 and (cfg.n_kv_heads not in (0, cfg.n_heads) or not cfg.tie_embeddings):
+        problems.append("GPT-2 has one key/value head per query head and a tied head")
+    if kinds == {"moe"}:
+        m = cfg.moe
+        if not llama:
+            problems.append("an MoE model exports as Mixtral, whose blocks are Llama's")
+        if cfg.qkv_bias:
+            problems.append("model.qkv_bias=true: Mixtral has no attention biases")
+        for name, value, want in [
+            ("router", m.router, "token_choice"),
+            ("mlp", m.mlp, "swiglu"),
+            ("renormalize", m.renormalize, True),
+            ("shared_expert", m.shared_expert, False),
+            ("n_noop", m.n_noop, 0),
+        ]:
+            if value != want:
+                problems.append(f"model.moe.{name}={value!r}: Mixtral needs {want!r}")
+        if m.top_k == 1:
+            problems.append("model.moe.top_k=1: Mixtral weighs one expert by 1, mode by its router probability")
+    _refuse(f"model (layout {cfg.layout!r})", problems)
+    if kinds == {"moe"}:
+        return "mixtral"
+    return "gpt2" if gpt2 else ("qwen2" if cfg.qkv_bias else "llama")
+
+
+def to_hf(model: MoDETransformer, path: str | Path) -> Path:
+    """Write ``model`` as a Hugging Face checkpoint directory (``config.json`` +
+    ``model.safetensors``) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads
+    with this model's logits; returns the directory. Refuses what cannot be exported (see
+    the module docstring) before writing anything."""
+    from safetensors.torch import save_file  # noqa: PLC0415  (the hf extra)
+
+    cfg = model.cfg
+    family = hf_family(cfg)
+    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    if family == "mixtral":
+        for block in model.blocks:
+            if block.mlp.selection_bias.any():
+                bias = "the MoE selection bias (model.moe.bias_rate) is not zero: Mixtral's router has none"
+                _refuse("model", [bias])
+    theirs = _gpt2_out(state, cfg) if family == "gpt2" else _llama_out(state, cfg, family)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = next(iter(theirs.values())).dtype
+    (path / "config.json").write_text(json.dumps(_config_out(cfg, family, dtype), indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in theirs.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _config_out(cfg: ModelConfig, family: str, dtype: torch.dtype) -> dict:
+    common = {"model_type": family, "vocab_size": cfg.vocab_size, "torch_dtype": str(dtype).removeprefix("torch.")}
+    common["tie_word_embeddings"] = cfg.tie_embeddings
+    if family == "gpt2":
+        return {
+            **common,
+            "architectures": [ARCHITECTURES[family]],
+            "n_embd": cfg.d_model,
+            "n_layer": cfg.n_layers,
+            "n_head": cfg.n_heads,
+            "n_positions": cfg.seq_len,
+            "n_ctx": cfg.seq_len,
+            "n_inner": cfg.dense_d_ff(),
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": cfg.norm_eps,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        }
+    out = {
+        **common,
+        "architectures": [ARCHITECTURES[family]],
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.expert_d_ff() if family == "mixtral" else cfg.dense_d_ff(),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "head_dim": cfg.d_model // cfg.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "attention_dropout": 0.0,
+    }
+    if family == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    if family in ("qwen2", "mixtral"):
+        out.update(sliding_window=None, use_sliding_window=False)
+    if family == "mixtral":
+        out.update(
+            num_local_experts=cfg.moe.n_experts,
+            num_experts_per_tok=cfg.moe.top_k,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+        )
+    return out
+
+
+def _llama_out(state: StateDict, cfg: ModelConfig, family: str) -> StateDict:
+    H, Hkv, Dh = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
+    out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p, q = f"model.layers.{i}.", f"blocks.{i}."
+        out[p + "input_layernorm.weight"] = state[q + "norm1.weight"]
+        out[p + "post_attention_layernorm.weight"] = state[q + "norm2.weight"]
+        for n, t in zip("qkv", state[q + "attn.qkv.weight"].split((H * Dh, Hkv * Dh, Hkv * Dh)), strict=True):
+            out[p + f"self_attn.{n}_proj.weight"] = t
+        if cfg.qkv_bias:
+            for n, t in zip("qkv", state[q + "attn.qkv.bias"].split((H * Dh, Hkv * Dh, Hkv * Dh)), strict=True):
+                out[p + f"self_attn.{n}_proj.bias"] = t
+        out[p + "self_attn.o_proj.weight"] = state[q + "attn.proj.weight"]
+        if family == "mixtral":
+            m = p + "block_sparse_moe."
+            out[m + "gate.weight"] = state[q + "mlp.router.weight"]
+            for w in ("w1", "w2", "w3"):
+                for e, t in enumerate(state[q + f"mlp.experts.{w}"]):
+                    out[m + f"experts.{e}.{w}.weight"] = t.t()
+        else:
+            out[p + "mlp.gate_proj.weight"] = state[q + "mlp.fc.weight"]
+            out[p + "mlp.up_proj.weight"] = state[q + "mlp.up.weight"]
+            out[p + "mlp.down_proj.weight"] = state[q + "mlp.proj.weight"]
+    return out
+
+
+def _gpt2_out(state: StateDict, cfg: ModelConfig) -> StateDict:
+    out = {
+        "transformer.wte.weight": state["tok_emb.weight"],
+        "transformer.wpe.weight": state["pos_emb.weight"],
+        "transformer.ln_f.weight": state["norm.weight"],
+        "transformer.ln_f.bias": state["norm.bias"],
+    }
+    names = [("norm1", "ln_1", False), ("attn.qkv", "attn.c_attn", True), ("attn.proj", "attn.c_proj", True)]
+    names += [("norm2", "ln_2", False), ("mlp.fc", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True)]
+    for i in range(cfg.n_layers):
+        for ours, theirs, transposed in names:
+            w = state[f"blocks.{i}.{ours}.weight"]
+            out[f"transformer.h.{i}.{theirs}.weight"] = w.t() if transposed else w
+            out[f"transformer.h.{i}.{theirs}.bias"] = state[f"blocks.{i}.{ours}.bias"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``mode-export <checkpoint> <dir>``: a trained checkpoint (``ckpt.pt`` or a sharded
+    ``ckpt/``) written as a Hugging Face checkpoint directory."""
+    import argparse  # noqa: PLC0415
+
+    from mode import checkpoint  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="mode-export", description=main.__doc__)
+    parser.add_argument("checkpoint", help="ckpt.pt or a sharded ckpt/ directory written by mode-train")
+    parser.add_argument("out_dir", help="the Hugging Face checkpoint directory to write")
+    args = parser.parse_args(argv)
+    cfg = checkpoint.checkpoint_config(args.checkpoint).model
+    model = MoDETransformer(cfg)
+    checkpoint.load(args.checkpoint, model)
+    try:
+        out = to_hf(model.eval(), args.out_dir)
+    except UnsupportedCheckpoint as e:
+        raise SystemExit(f"mode-export: {e}") from None
+    print(f"wrote {family_name(cfg)} checkpoint {out} (transformers.AutoModelForCausalLM.from_pretrained)")
+
+
+def family_name(cfg: ModelConfig) -> str:
+    """The ``transformers`` class a model config exports to, e.g. ``LlamaForCausalLM``."""
+    return ARCHITECTURES[hf_family(cfg)]
