@@ -23,14 +23,16 @@ def compile_enabled(setting: str | bool, device: torch.device) -> bool:
 COMPILE_OPTIONS = {"fallback_random": True}
 
 
-def compile_block(block: nn.Module, fullgraph: bool = False) -> None:
+def compile_block(block: nn.Module, fullgraph: bool = False, backend: str = "inductor") -> None:
     """Compile one block in place (``nn.Module.compile``: parameter names and state dicts do
     not change). With ``fullgraph`` a graph break raises instead of splitting the block:
-    every block kind compiles whole with the default backends (``tests/test_compile.py``)."""
-    block.compile(fullgraph=fullgraph, options=COMPILE_OPTIONS)
+    every block kind compiles whole with the default backends (``tests/test_compile.py``).
+    ``backend`` another ``torch.compile`` backend (``aot_eager``: trace and autograd without
+    code generation)."""
+    block.compile(fullgraph=fullgraph, backend=backend, options=COMPILE_OPTIONS if backend == "inductor" else None)
 
 
-def compile_blocks(model: nn.Module, fullgraph: bool = False) -> None:
+def compile_blocks(model: nn.Module, fullgraph: bool = False, backend: str = "inductor") -> None:
     """Compile every block of ``model.blocks`` in place (``compile_block``)."""
     for block in model.blocks:
-        compile_block(block, fullgraph)
+        compile_block(block, fullgraph, backend)

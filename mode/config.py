@@ -173,11 +173,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """source: "shakespeare" (embedded corpus, fetched and cached on first use), a text file,
-    or a nanoGPT-style token file (``.bin`` uint16 / ``.u32`` uint32 memmap)."""
+    token files (``.bin`` uint16 / ``.u32`` uint32 memmaps, llm.c shards, or a glob of them),
+    or a directory ``mode-prepare`` wrote (``mode.data``). tokenizer: what encodes a text
+    source, "bytes" or a ``tokenizer.json`` / a directory holding one (``mode.tokenizer``)."""
 
     source: str = "shakespeare"
     cache_dir: str = "data"
     val_fraction: float = 0.05
+    tokenizer: str = "bytes"
 
     def __post_init__(self) -> None:
         check_range("data.val_fraction", self.val_fraction, 0.0, 0.5, lo_open=True)

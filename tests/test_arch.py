@@ -175,15 +175,19 @@ def test_upcycling_a_swiglu_gqa_model_keeps_its_function():
 
 
 @pytest.mark.slow
-def test_each_kind_compiles_whole_in_a_grouped_query_swiglu_architecture():
+def test_routed_kinds_compile_whole_in_a_grouped_query_swiglu_architecture():
     """Values and every gradient of blocks compiled whole (``fullgraph``: a graph break raises)
-    against eager, in the architecture that changes the attention and MLP most."""
-    layout = ["model.layout=mod,mode_staged,mode_integrated", "model.n_layers=3", "model.moe.n_noop=2"]
+    against eager, in the architecture that changes the attention and MLP most: a MoD block
+    (GQA attention, RMSNorm, SwiGLU MLP) and a staged MoDE block (SwiGLU experts). Traced by
+    dynamo and AOT autograd (``aot_eager``) to keep the suite's time: with inductor the same
+    test took 37 s cold on the 2-core development machine (2026-12-04, passing); inductor's
+    code generation is tested on the default architecture (tests/test_compile.py)."""
+    layout = ["model.layout=mod,mode_staged", "model.n_layers=2"]
     cfg = arch_config("llama_gqa", *layout, "model.qkv_bias=true", "model.mod.causal=predictor")
     torch.manual_seed(0)
     eager = MoDETransformer(cfg)
     compiled = copy.deepcopy(eager)
-    compile_blocks(compiled, fullgraph=True)
+    compile_blocks(compiled, fullgraph=True, backend="aot_eager")
     idx = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
     results = []
     for model in (eager, compiled):

@@ -1,0 +1,145 @@
+"""Evaluate and sample a trained model: ``mode-eval`` and ``mode-generate``.
+
+    mode-eval runs/mod/ckpt.pt                       # the checkpoint's own data and tokenizer
+    mode-eval path/to/llama --data data/tok          # a Hugging Face directory on prepared data
+    mode-generate runs/mod/ckpt.pt --prompt "ROMEO:" --max-new-tokens 200 --top-p 0.9
+
+``mode-eval`` reads the whole validation split once, in consecutive windows of ``seq_len``
+(every token predicted once, the last partial window left out), and reports the loss per
+token, bits per byte (bits per token when the data's bytes per token are unknown) and each
+routing metric's mean, in top-k routing and, for a model whose layers decide per token, in
+causal routing; ``--json`` writes the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mode.model import MoDETransformer
+from mode.routed import routing_metrics
+from mode.tokenizer import encode_prompt, load_tokenizer
+
+__all__ = ["evaluate_split", "load_model", "main_eval", "main_generate"]
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[MoDETransformer, dict]:
+    """A model from a ``mode-train`` checkpoint (``ckpt.pt`` or ``ckpt/``) or a Hugging Face
+    directory, in eval mode, and what it says about its data: ``{"source", "tokenizer",
+    "cache_dir", "val_fraction"}`` (a Hugging Face directory: its own ``tokenizer.json`` if any)."""
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file() and not (path / ".metadata").exists():
+        from mode.hf import from_hf  # noqa: PLC0415
+
+        tok = str(path) if (path / "tokenizer.json").is_file() else None
+        return from_hf(path, dtype), {"source": None, "tokenizer": tok, "cache_dir": "data", "val_fraction": 0.05}
+    from mode.checkpoint import checkpoint_config  # noqa: PLC0415
+    from mode.data import source_tokenizer  # noqa: PLC0415
+
+    data = checkpoint_config(path).data
+    model = MoDETransformer.from_checkpoint(path).to(dtype)
+    return model, {
+        "source": data.source,
+        "tokenizer": source_tokenizer(data.source, data.tokenizer),
+        "cache_dir": data.cache_dir,
+        "val_fraction": data.val_fraction,
+    }
+
+
+@torch.no_grad()
+def evaluate_split(
+    model: MoDETransformer, tokens, batch_size: int = 8, routing: str = "topk", max_batches: int = 0
+) -> tuple[float, int, dict[str, float]]:
+    """Mean cross-entropy (nats/token) over consecutive ``seq_len`` windows of ``tokens`` (a
+    1-D id array), the number of tokens predicted, and each scalar routing metric's mean over
+    the batches. ``max_batches > 0`` stops early."""
+    T = model.cfg.seq_len
+    device = next(model.parameters()).device
+    n_windows = (len(tokens) - 1) // T
+    if n_windows < 1:
+        raise ValueError(f"the validation split has {len(tokens)} tokens, fewer than seq_len + 1 = {T + 1}")
+    total, count, metrics, batches = 0.0, 0, {}, 0
+    for first in range(0, n_windows, batch_size):
+        rows = range(first, min(first + batch_size, n_windows))
+        xy = torch.from_numpy(np.stack([np.asarray(tokens[r * T : r * T + T + 1], dtype=np.int64) for r in rows]))
+        _, loss = model(xy[:, :-1].to(device), xy[:, 1:].to(device), routing=routing)
+        n = xy[:, 1:].numel()
+        total, count, batches = total + loss.item() * n, count + n, batches + 1
+        for key, value in routing_metrics(model).items():
+            if isinstance(value, float | int):
+                metrics[key] = metrics.get(key, 0.0) + value
+        if max_batches and batches >= max_batches:
+            break
+    return total / count, count, {k: v / batches for k, v in metrics.items()}
+
+
+def main_eval(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="mode-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("model", help="a mode-train checkpoint (ckpt.pt or ckpt/) or a Hugging Face directory")
+    parser.add_argument("--data", default=None, help="data.source to evaluate on (default: the checkpoint's)")
+    parser.add_argument("--tokenizer", default=None, help="data.tokenizer for a text source (default: the model's)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0: the whole split)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    from mode.data import load_corpus  # noqa: PLC0415
+
+    model, data = load_model(args.model)
+    source = args.data or data["source"]
+    if source is None:
+        parser.error("a Hugging Face directory names no data: give --data")
+    tokenizer = args.tokenizer or (data["tokenizer"] if args.data is None or Path(source).is_file() else None)
+    corpus = load_corpus(source, model.cfg.seq_len, data["val_fraction"], data["cache_dir"], tokenizer or "bytes")
+    if corpus.vocab_size > model.cfg.vocab_size:
+        raise SystemExit(
+            f"mode-eval: the data's ids need {corpus.vocab_size} > model.vocab_size={model.cfg.vocab_size}"
+        )
+    results = {"model": str(args.model), "data": source, "tokenizer": corpus.tokenizer}
+    routings = ["topk", "causal"] if model.supports_causal() else ["topk"]
+    for routing in routings:
+        loss, n, metrics = evaluate_split(model, corpus.val.tokens, args.batch_size, routing, args.max_batches)
+        bits = loss / math.log(2)
+        row = {"loss": loss, "tokens": n, "bits_per_token": bits, "metrics": metrics}
+        if corpus.bytes_per_token:
+            row["bits_per_byte"] = bits / corpus.bytes_per_token
+        results[routing] = row
+        per_byte = f", {row['bits_per_byte']:.4f} bits/byte" if "bits_per_byte" in row else ""
+        print(f"{routing:>6} routing: loss {loss:.4f} nats/token over {n} tokens ({bits:.4f} bits/token{per_byte})")
+        for key, value in sorted(metrics.items()):
+            print(f"{'':8}{key}: {value:.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def main_generate(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(prog="mode-generate", description="Sample text from a trained model.")
+    parser.add_argument("model", help="a mode-train checkpoint (ckpt.pt or ckpt/) or a Hugging Face directory")
+    parser.add_argument("--prompt", default="\n")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set of mass >= p")
+    parser.add_argument(
+        "--tokenizer", default=None, help="bytes, a tokenizer.json or a directory (default: the model's)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model, data = load_model(args.model)
+    spec = args.tokenizer or data["tokenizer"]
+    if spec is None:
+        parser.error("the model names no tokenizer: give --tokenizer")
+    tok = load_tokenizer(spec)
+    torch.manual_seed(args.seed)
+    prompt = encode_prompt(tok, args.prompt)
+    out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, top_p=args.top_p, eos_id=tok.eos_id)
+    text = tok.decode(out[0].tolist())
+    print(text)
+    return text

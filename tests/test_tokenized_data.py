@@ -1,0 +1,133 @@
+"""Tokenizers and token data: ``mode-prepare`` (a BPE trained offline, shards, ``meta.json``),
+training on it with bits per byte and samples decoded by its tokenizer, and the token file
+formats (nanoGPT ``.bin``, ``.u32``, llm.c shards, globs)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mode.checkpoint import checkpoint_config
+from mode.data import LLMC_MAGIC, load_corpus
+from mode.prepare import prepare
+from mode.tokenizer import ByteTokenizer, load_tokenizer
+from mode.train import TrainResult, main
+from tests.tiny import TINY
+
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """The first 60 kB of the embedded corpus, as a text file."""
+    from mode.data import prepare_shakespeare
+
+    path = tmp_path_factory.mktemp("text") / "shakespeare.txt"
+    path.write_bytes(prepare_shakespeare("data").read_bytes()[:60_000])
+    return path
+
+
+def test_bits_per_byte_by_hand(tmp_path):
+    """'abc' 1000 times, a BPE with two merges ('ab', 'abc'): 1000 ids of 3 bytes each."""
+    text = tmp_path / "abc.txt"
+    text.write_text("abc" * 1000)
+    meta = prepare([str(text)], tmp_path / "tok", bpe_vocab=259, val_fraction=0.1)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (900, 100)
+    assert meta["bytes_per_token"] == 3.0
+    result = TrainResult(steps=1, train_loss=0.0, val_loss=3 * math.log(2), bytes_per_token=meta["bytes_per_token"])
+    assert result.val_loss_text() == "val loss 2.0794 (1.000 bits/byte)"  # 3 bits per token over 3 bytes
+    unknown = TrainResult(steps=1, train_loss=0.0, val_loss=3 * math.log(2), bytes_per_token=None)
+    assert unknown.val_loss_text().endswith("(3.000 bits/token)")
+
+
+def test_prepare_writes_shards_a_tokenizer_and_meta(text_file, tmp_path):
+    meta = prepare([str(text_file)], tmp_path, bpe_vocab=400, shard_tokens=5000)
+    assert meta["vocab_size"] == 400 and meta["tokenizer"] == "tokenizer.json" and meta["dtype"] == "uint16"
+    shards = sorted(p.name for p in tmp_path.glob("train_*.bin"))
+    assert len(shards) == math.ceil(meta["train_tokens"] / 5000) > 1
+    tok = load_tokenizer(tmp_path)
+    corpus = load_corpus(str(tmp_path), 32)
+    assert (corpus.vocab_size, corpus.bytes_per_token) == (400, meta["bytes_per_token"])
+    assert len(corpus.train) == meta["train_tokens"] and len(corpus.val) == meta["val_tokens"]
+    # the shards are the text: decoding every id gives the file back
+    ids = np.concatenate([np.asarray(corpus.train.tokens), np.asarray(corpus.val.tokens)])
+    assert tok.decode(ids.tolist()) == text_file.read_text()
+    assert 1.5 < meta["bytes_per_token"] < 4  # a BPE of 400 ids on English text
+
+
+@pytest.mark.slow
+def test_train_on_prepared_bpe_data_reports_bits_per_byte_and_samples_text(text_file, tmp_path, capsys):
+    prepare([str(text_file)], tmp_path / "tok", bpe_vocab=400)
+    run = [*TINY, f"data.source={tmp_path / 'tok'}", f"train.out_dir={tmp_path / 'run'}", "train.steps=3"]
+    main(["--config", "mod", "--sample", "12", *run])
+    out = capsys.readouterr().out
+    assert "bits/byte" in out
+    assert checkpoint_config(tmp_path / "run" / "ckpt.pt").model.vocab_size == 400  # read from meta.json
+    sample = out.strip().splitlines()[-1]
+    assert sample and "\ufffd" not in sample  # decoded by the BPE, not as bytes
+
+
+def test_a_text_file_with_a_tokenizer_trains_on_its_ids(text_file, tmp_path):
+    prepare([str(text_file)], tmp_path / "tok", bpe_vocab=300)
+    corpus = load_corpus(str(text_file), 32, tokenizer=str(tmp_path / "tok" / "tokenizer.json"))
+    assert corpus.vocab_size == 300 and corpus.bytes_per_token > 1.2
+
+
+def test_a_prepared_directory_refuses_another_tokenizer(text_file, tmp_path):
+    prepare([str(text_file)], tmp_path / "tok", bpe_vocab=300)
+    prepare([str(text_file)], tmp_path / "other", bpe_vocab=280)
+    with pytest.raises(ValueError, match="data.tokenizer="):
+        load_corpus(str(tmp_path / "tok"), 32, tokenizer=str(tmp_path / "other"))
+
+
+def test_bytes_prepare_keeps_bytes(text_file, tmp_path):
+    meta = prepare([str(text_file)], tmp_path, "bytes")
+    assert (meta["vocab_size"], meta["tokenizer"], meta["bytes_per_token"]) == (256, "bytes", 1.0)
+    assert isinstance(load_tokenizer(meta["tokenizer"]), ByteTokenizer)
+
+
+def llmc_shard(path, ids: np.ndarray, version: int = 1, count: int | None = None) -> None:
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (LLMC_MAGIC, version, len(ids) if count is None else count)
+    path.write_bytes(header.tobytes() + ids.tobytes())
+
+
+def test_token_files_nanogpt_llmc_and_globs_read_the_same_ids(tmp_path):
+    ids = (np.arange(3000) % 500).astype(np.uint16)
+    ids.tofile(tmp_path / "nanogpt.bin")
+    llmc_shard(tmp_path / "llmc.bin", ids)
+    llmc_shard(tmp_path / "llmc32.bin", ids.astype(np.uint32), version=2)
+    for k in range(3):
+        ids[k * 1000 : (k + 1) * 1000].tofile(tmp_path / f"shard_{k}.bin")
+    for source in ("nanogpt.bin", "llmc.bin", "llmc32.bin", "shard_*.bin"):
+        corpus = load_corpus(str(tmp_path / source), 32, val_fraction=0.1)
+        got = np.concatenate([np.asarray(corpus.train.tokens), np.asarray(corpus.val.tokens)])
+        assert np.array_equal(got, ids), source
+        assert corpus.vocab_size == 500 and corpus.bytes_per_token is None, source
+    # a window across two shards reads both
+    x, _ = load_corpus(str(tmp_path / "shard_*.bin"), 32, val_fraction=0.1).train.windows(torch_tensor([990]))
+    assert x[0].tolist() == ids[990:1022].tolist()
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values)
+
+
+@pytest.mark.parametrize("version,count,message", [(3, None, "version 3"), (1, 10_000, "promises 10000 tokens")])
+def test_bad_llmc_headers_are_named(tmp_path, version, count, message):
+    llmc_shard(tmp_path / "bad.bin", np.arange(600, dtype=np.uint16), version, count)
+    with pytest.raises(ValueError, match=message):
+        load_corpus(str(tmp_path / "bad.bin"), 32)
+
+
+def test_prepare_cli_prints_the_split(text_file, tmp_path, capsys):
+    from mode.prepare import main as prepare_main
+
+    prepare_main([str(text_file), "--out", str(tmp_path), "--bpe", "300"])
+    assert "vocabulary 300" in capsys.readouterr().out
+    assert json.loads((tmp_path / "meta.json").read_text())["vocab_size"] == 300
