@@ -28,6 +28,7 @@ from mode.layers.early_exit import EarlyExitConfig, check_early_exit_args
 from mode.layers.kinds import BLOCK_KINDS, any_kind
 from mode.layers.mod import RoutingConfig
 from mode.layers.recompute import ACTIVATION_CHECKPOINTS
+from mode.loggers import LOGGERS
 from mode.precision import PRECISIONS
 
 __all__ = [
@@ -219,6 +220,7 @@ class TrainConfig:
     init_from: str = ""  # a dense checkpoint to convert into this model (mode.convert.upcycle); fresh optimizer
     threads: int = 0  # torch.set_num_threads; 0 = leave the default
     progress: bool = True
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # + tensorboard, wandb (mode.loggers)
 
     def __post_init__(self) -> None:
         check_positive("train.steps", self.steps)
@@ -242,6 +244,8 @@ class TrainConfig:
         if self.batch_size % self.grad_accum_steps:
             fail("train.grad_accum_steps", self.grad_accum_steps, f"must divide train.batch_size={self.batch_size}")
         check_choice("train.activation_checkpoint", self.activation_checkpoint, ACTIVATION_CHECKPOINTS)
+        for logger in self.loggers:
+            check_choice("train.loggers", logger, LOGGERS)
         # NOTE: YAML and dotlist booleans reach these str fields as "True"/"False".
         self.compile = str(self.compile).lower()
         check_choice("train.compile", self.compile, SWITCHES)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import resource
 import sys
 import time
@@ -20,7 +21,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from mode.loggers import open_sinks, scalars
 from mode.precision import matmul_seconds
+
+LOG = logging.getLogger("mode")  # the run's messages (a handler prints them above the progress bar)
 
 PEAK_MATMUL_SIZE = 2048
 
@@ -133,36 +137,61 @@ class StepTimer:
         return out
 
 
+class _TqdmHandler(logging.Handler):
+    """Prints a log record above tqdm's progress bars."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record))
+
+
+def _default_handler() -> None:
+    """Give the ``mode`` logger a handler that prints, unless the application set its own."""
+    if not LOG.handlers:
+        LOG.addHandler(_TqdmHandler())
+        LOG.setLevel(logging.INFO)
+        LOG.propagate = False
+
+
 class RunLogger:
     """The run's log, written by rank 0 only (other ranks get a silent one): ``config.json``
     and ``run_info.json`` in ``out_dir``, one JSON record per logged step in
     ``metrics.jsonl`` (started afresh, or continued when ``append`` is set before the first
-    record: a resumed run), a tqdm progress bar and messages printed above it
-    (``progress=False`` silences both, not the files or warnings)."""
+    record: a resumed run) and the other ``loggers`` (``mode.loggers``: TensorBoard, wandb),
+    a tqdm progress bar, and messages through the ``mode`` Python logger, printed above the
+    bar unless the application configured that logger (``progress=False`` silences the bar
+    and the info messages, not the files or warnings)."""
 
-    def __init__(self, out_dir: str | Path, rank: int, name: str, progress: bool = True) -> None:
+    def __init__(
+        self, out_dir: str | Path, rank: int, name: str, progress: bool = True, loggers: list[str] | None = None
+    ) -> None:
         self.out_dir, self.active, self.name = Path(out_dir), rank == 0, name
         self.progress = progress and self.active
         self.append = False
         self.bar: tqdm | None = None
         self.file = None
         self.last_val = float("nan")
+        self.logger_names = list(loggers or [])
+        self.sinks: list | None = None  # opened with the first record (after config.json is known)
+        self.config: dict = {}
+        _default_handler()
 
     def write_json(self, filename: str, values: dict) -> None:
         """``out_dir/filename`` as indented JSON (rank 0)."""
         if self.active:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / filename).write_text(json.dumps(values, indent=2))
+            if filename == "config.json":
+                self.config = values
 
     def say(self, message: str) -> None:
-        """Print a line above the progress bar (rank 0, when showing progress)."""
+        """Log a message at INFO (rank 0, when showing progress)."""
         if self.progress:
-            tqdm.write(message)
+            LOG.info(message)
 
     def warn(self, message: str) -> None:
-        """Print a warning (rank 0; shown even without progress output)."""
+        """Log a warning (rank 0; shown even without progress output)."""
         if self.active:
-            tqdm.write(message)
+            LOG.warning(message)
 
     def steps(self, start: int, end: int) -> Iterable[int]:
         """Step indices ``start .. end - 1`` behind the progress bar."""
@@ -173,9 +202,14 @@ class RunLogger:
         """Append one step's record to ``metrics.jsonl`` and show its losses on the bar."""
         if self.active and self.file is None:
             self.file = open(self.out_dir / "metrics.jsonl", "a" if self.append else "w")  # noqa: SIM115
+            self.sinks, skipped = open_sinks(self.logger_names, self.out_dir, self.config, self.name)
+            for message in skipped:
+                self.warn(message)
         if self.file is not None:
             self.file.write(json.dumps(values) + "\n")
             self.file.flush()
+            for sink in self.sinks or []:
+                sink.log(scalars(values), int(values["step"]))
         self.last_val = values.get("val_loss", self.last_val)
         if self.bar is not None and self.progress:
             self.bar.set_postfix(loss=f"{values['loss']:.3f}", val=f"{self.last_val:.3f}")
@@ -186,3 +220,6 @@ class RunLogger:
         if self.file is not None:
             self.file.close()
             self.file = None
+        for sink in self.sinks or []:
+            sink.close()
+        self.sinks = None

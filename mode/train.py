@@ -162,7 +162,7 @@ class Run:
         model = parallelize_model((model or MoDETransformer(cfg.model)).to(device), cfg, ctx, precision)
         opt = build_optimizer(model, tc)
         gen = torch.Generator().manual_seed(tc.seed)
-        log = telemetry.RunLogger(tc.out_dir, ctx.rank if ctx else 0, cfg.name, tc.progress)
+        log = telemetry.RunLogger(tc.out_dir, ctx.rank if ctx else 0, cfg.name, tc.progress, list(tc.loggers))
         start, elapsed = 0, 0.0
         if resume_from is not None:
             # The newest checkpoint that passes its checks (older ones kept by keep_checkpoints

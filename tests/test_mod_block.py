@@ -114,14 +114,6 @@ def test_chosen_token_attention_equals_restricted_dense_attention():
     assert (wrong - sub).abs().max() > 1e-4
 
 
-@pytest.mark.slow
-def test_torch_compile_fullgraph():
-    blk = make_block(0.25)
-    x = torch.randn(2, 16, D)
-    compiled = torch.compile(blk, fullgraph=True, dynamic=False)
-    assert_close(compiled(x), blk(x), "layer")
-
-
 def test_bad_arguments():
     with pytest.raises(ValueError, match="capacity"):
         MoDBlock(D, H, capacity=1.5)
