@@ -17,11 +17,13 @@ Families (``config.json``'s ``model_type``):
 
 ``to_hf`` writes dense models of the three architectures above and ``moe`` models as Mixtral,
 in the per-expert layout every transformers version loads, so that
-``AutoModelForCausalLM.from_pretrained(dir)`` computes this model's logits. Anything else is
-refused by name before a file is written: MoD and MoDE layouts (transformers has no
-depth-routed block), no-op experts, shared experts, capacity or expert-choice MoE, an
-aux-loss-free selection bias that is not zero, and architectures no family has (this
-library's default, bias-free LayerNorm with a GELU MLP and RoPE, is one of them).
+``AutoModelForCausalLM.from_pretrained(dir)`` computes this model's logits. Every other model
+(MoD and MoDE layouts, which transformers has no block for, no-op, shared, capacity or
+expert-choice experts, a non-zero aux-loss-free bias, architectures no family has such as
+this library's default) is written with a modeling file, ``modeling_mode.py``
+(``mode.hf_modeling``), that ``from_pretrained(dir, trust_remote_code=True)`` loads: it wraps
+this library's own model (``mode-moe`` must be installed there), in top-k or causal routing.
+``native=True`` refuses such a model instead, naming every field that keeps it from a family.
 
 Also refused on reading, by field: Qwen2-MoE's gated shared expert, OLMoE's query/key norms,
 RoPE scaling, a head dim other than ``hidden_size / num_attention_heads``, attention or MLP
@@ -31,18 +33,19 @@ biases in Llama, sliding windows on some layers only.
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import torch
 
 from mode.checks import ConfigError
-from mode.config import ModelConfig, from_dict
+from mode.config import ModelConfig, from_dict, to_dict
 from mode.model import MoDETransformer
 
 __all__ = ["UnsupportedCheckpoint", "config_from_hf", "from_hf", "hf_config", "hf_family", "read_hf_state", "to_hf"]
 
 StateDict = dict[str, torch.Tensor]
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral")  # and "mode_moe": to_hf's modeling-file export
 # the transformers class of each family this library writes
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -222,9 +225,13 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoDETransfo
     docstring), in ``dtype``, in evaluation mode. Every tensor of the checkpoint is used and
     every parameter filled, or ``UnsupportedCheckpoint`` names the keys."""
     c = hf_config(path)
-    cfg = config_from_hf(c)
     state = read_hf_state(path)
-    ours = state_from_hf(state, cfg, c["model_type"])
+    if c.get("model_type") == "mode_moe":  # written by to_hf with its modeling file: our own names
+        cfg = from_dict({"model": c["mode_config"]}).model
+        ours = {k.removeprefix("model."): v for k, v in state.items()}
+    else:
+        cfg = config_from_hf(c)
+        ours = state_from_hf(state, cfg, c["model_type"])
     model = MoDETransformer(cfg)
     _load_exactly(model, ours, f"{path}")
     return model.to(dtype).eval()
@@ -403,28 +410,67 @@ def hf_family(cfg: ModelConfig) -> str:
     return "gpt2" if gpt2 else ("qwen2" if cfg.qkv_bias else "llama")
 
 
-def to_hf(model: MoDETransformer, path: str | Path) -> Path:
+def _native_family(model: MoDETransformer) -> str:
+    """``hf_family`` of the model, also refusing a non-zero aux-loss-free selection bias."""
+    family = hf_family(model.cfg)
+    if family == "mixtral" and any(block.mlp.selection_bias.any() for block in model.blocks):
+        _refuse("model", ["the MoE selection bias (model.moe.bias_rate) is not zero: Mixtral's router has none"])
+    return family
+
+
+def to_hf(model: MoDETransformer, path: str | Path, native: bool | None = None, routing: str = "topk") -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory (``config.json`` +
-    ``model.safetensors``) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads
-    with this model's logits; returns the directory. Refuses what cannot be exported (see
-    the module docstring) before writing anything."""
+    ``model.safetensors``, and ``modeling_mode.py`` when no family holds it) that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads with this model's logits;
+    returns the directory. ``native``: None picks the family when one holds the model, else
+    the modeling file; True refuses (``UnsupportedCheckpoint`` naming every field) what no
+    family holds; False always writes the modeling file, whose forward uses ``routing``
+    ("topk" or "causal"). Nothing is written when it refuses."""
     from safetensors.torch import save_file  # noqa: PLC0415  (the hf extra)
 
+    if routing not in ("topk", "causal"):
+        raise ValueError(f"routing={routing!r}: choose 'topk' or 'causal'")
+    if routing == "causal" and not model.supports_causal():
+        raise ValueError("routing='causal' needs a model whose routed layers decide per token (supports_causal)")
     cfg = model.cfg
-    family = hf_family(cfg)
+    family = None
+    if native is not False and routing == "topk":
+        try:
+            family = _native_family(model)
+        except UnsupportedCheckpoint:
+            if native:
+                raise
+    elif native:
+        raise ValueError("native=True exports top-k routing (a family's own forward): use routing='topk'")
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-    if family == "mixtral":
-        for block in model.blocks:
-            if block.mlp.selection_bias.any():
-                bias = "the MoE selection bias (model.moe.bias_rate) is not zero: Mixtral's router has none"
-                _refuse("model", [bias])
-    theirs = _gpt2_out(state, cfg) if family == "gpt2" else _llama_out(state, cfg, family)
     path = Path(path)
+    if family is None:
+        # a tied head is saved as its own copy (safetensors stores no shared tensors)
+        theirs = {f"model.{k}": v.clone() if k == "lm_head.weight" else v for k, v in state.items()}
+        config = _remote_config(cfg, routing, next(iter(theirs.values())).dtype)
+    else:
+        theirs = _gpt2_out(state, cfg) if family == "gpt2" else _llama_out(state, cfg, family)
+        config = _config_out(cfg, family, next(iter(theirs.values())).dtype)
     path.mkdir(parents=True, exist_ok=True)
-    dtype = next(iter(theirs.values())).dtype
-    (path / "config.json").write_text(json.dumps(_config_out(cfg, family, dtype), indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in theirs.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    if family is None:
+        source = resources.files("mode") / "hf_modeling.py"
+        (path / "modeling_mode.py").write_text(source.read_text())
     return path
+
+
+def _remote_config(cfg: ModelConfig, routing: str, dtype: torch.dtype) -> dict:
+    return {
+        "model_type": "mode_moe",
+        "architectures": ["MoDEForCausalLM"],
+        "auto_map": {"AutoConfig": "modeling_mode.MoDEConfig", "AutoModelForCausalLM": "modeling_mode.MoDEForCausalLM"},
+        "mode_config": to_dict(cfg),
+        "routing": routing,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def _config_out(cfg: ModelConfig, family: str, dtype: torch.dtype) -> dict:
@@ -526,22 +572,17 @@ def main(argv: list[str] | None = None) -> None:
     ``ckpt/``) written as a Hugging Face checkpoint directory."""
     import argparse  # noqa: PLC0415
 
-    from mode import checkpoint  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(prog="mode-export", description=main.__doc__)
     parser.add_argument("checkpoint", help="ckpt.pt or a sharded ckpt/ directory written by mode-train")
     parser.add_argument("out_dir", help="the Hugging Face checkpoint directory to write")
+    parser.add_argument("--native", action="store_true", help="refuse a model no transformers family holds")
+    parser.add_argument("--routing", default="topk", choices=["topk", "causal"], help="the modeling file's routing")
     args = parser.parse_args(argv)
-    cfg = checkpoint.checkpoint_config(args.checkpoint).model
-    model = MoDETransformer(cfg)
-    checkpoint.load(args.checkpoint, model)
+    model = MoDETransformer.from_checkpoint(args.checkpoint)
     try:
-        out = to_hf(model.eval(), args.out_dir)
-    except UnsupportedCheckpoint as e:
+        out = to_hf(model, args.out_dir, native=True if args.native else None, routing=args.routing)
+    except (UnsupportedCheckpoint, ValueError) as e:
         raise SystemExit(f"mode-export: {e}") from None
-    print(f"wrote {family_name(cfg)} checkpoint {out} (transformers.AutoModelForCausalLM.from_pretrained)")
-
-
-def family_name(cfg: ModelConfig) -> str:
-    """The ``transformers`` class a model config exports to, e.g. ``LlamaForCausalLM``."""
-    return ARCHITECTURES[hf_family(cfg)]
+    config = hf_config(out)
+    how = "trust_remote_code=True" if config["model_type"] == "mode_moe" else "no remote code"
+    print(f"wrote {config['architectures'][0]} to {out} (AutoModelForCausalLM.from_pretrained, {how})")

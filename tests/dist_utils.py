@@ -28,6 +28,17 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
         destroy()
 
 
+# Workers fork from a server process that imported these once (per test process), instead of
+# each starting a fresh interpreter that imports torch and mode again: ~2.5 s of CPU saved per
+# worker. The server has only imported modules (no threads, no process group), so forking it
+# is safe; every worker still runs in a process of its own with its own gloo group.
+PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "mode.train", "pytest"]
+PRELOAD += ["tests.dist_utils"]
+
+
 def run_workers(fn, world_size: int, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; raises if any fails."""
-    mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+    mp.set_forkserver_preload(PRELOAD)
+    mp.start_processes(
+        _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True, start_method="forkserver"
+    )

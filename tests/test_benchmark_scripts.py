@@ -159,7 +159,7 @@ def test_bench_train_tiny(tmp_path):
 def test_upcycle_tiny(tmp_path):
     tiny = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.moe.n_experts=4"]
     tiny += ["train.batch_size=4", "train.eval_every=5", "train.eval_batches=1", "train.warmup_steps=2"]
-    args = ["--dense-seconds", "2", "--extra-seconds", "2", "--targets", "mod", "mode_integrated"]
+    args = ["--dense-seconds", "1", "--extra-seconds", "1", "--targets", "mod", "mode_integrated"]
     args += ["--runs-dir", str(tmp_path / "runs"), *tiny]
     results = run_script("upcycle.py", args, tmp_path)
     payload = results["upcycle.json"]
@@ -226,7 +226,7 @@ def test_sweep_points_and_pareto_front_by_hand():
 
 def test_sweep_tiny(tmp_path):
     overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=4", "model.seq_len=32", "train.batch_size=2"]
-    args = [*overrides, "train.eval_every=5", "train.eval_batches=1", "--no-sweep-model", "--seconds", "1"]
+    args = [*overrides, "train.eval_every=5", "train.eval_batches=1", "--no-sweep-model", "--seconds", "0.5"]
     args += ["--runs-dir", str(tmp_path / "runs"), "--seeds", "2", "--capacities", "0.5", "--layouts", "every_other"]
     args += ["--families", "dense", "mod", "mod_random", "early_exit", "--random-capacities", "0.5"]
     args += ["--thresholds", "0.0", "1.0", "--prompt-len", "4", "--new-tokens", "3", "--decode-rounds", "1"]

@@ -53,4 +53,7 @@ def test_the_hugging_face_commands_run_at_tiny_size(tmp_path):
     idx = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         assert_close(back(idx).logits, model.eval()(idx)[0], "model")
-    assert (tmp_path / "runs" / "staged" / "ckpt.pt").is_file()
+    staged = MoDETransformer.from_checkpoint(tmp_path / "runs" / "staged" / "ckpt.pt")
+    remote = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "staged_hf", trust_remote_code=True)
+    with torch.no_grad():
+        assert_close(remote.eval()(idx).logits, staged(idx)[0], "exact")

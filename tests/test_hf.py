@@ -185,11 +185,48 @@ def test_a_checkpoint_with_an_unknown_tensor_is_refused_by_key(tmp_path):
         (["model.layout=moe", "model.norm=rmsnorm", "model.mlp=swiglu", "model.moe.top_k=1"], "model.moe.top_k=1"),
     ],
 )
-def test_models_that_transformers_cannot_hold_are_refused_before_writing(overrides, named, tmp_path):
+def test_native_export_refuses_what_no_family_holds_before_writing(overrides, named, tmp_path):
     cfg = load_config(None, ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", *overrides]).model
     with pytest.raises(UnsupportedCheckpoint, match=named):
-        to_hf(MoDETransformer(cfg), tmp_path / "out")
+        to_hf(MoDETransformer(cfg), tmp_path / "out", native=True)
     assert not (tmp_path / "out").exists()
+
+
+REMOTE = [
+    ("dense,mod", "topk", []),
+    ("mod,mode_staged", "causal", ["model.mod.causal=predictor"]),
+    ("mode_integrated", "topk", ["model.moe.n_noop=2", "model.moe.top_k=1"]),
+    ("dense", "topk", []),  # this library's default architecture: no family holds it
+]
+
+
+@pytest.mark.parametrize("layout,routing,extra", REMOTE, ids=[f"{a}-{r}" for a, r, _ in REMOTE])
+def test_models_no_family_holds_export_with_their_modeling_file(layout, routing, extra, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    overrides = ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.seq_len=32", *extra]
+    cfg = load_config(None, [*overrides, f"model.layout={layout}"]).model
+    torch.manual_seed(0)
+    ours = MoDETransformer(cfg).eval()
+    with torch.no_grad():
+        for p in ours.parameters():  # spread the logits: a wrong weight would show
+            p.add_(0.1 * torch.randn_like(p))
+    out = to_hf(ours, tmp_path / "out", routing=routing)
+    assert (out / "modeling_mode.py").is_file()
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoModelForCausalLM.from_pretrained(out)
+    back = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ours(idx, routing=routing)[0]
+    assert want.std() > 0.5
+    assert_close(logits(back, idx), want, "exact")
+    prompt = idx[:, :4]
+    mask = torch.ones_like(prompt)
+    with torch.no_grad():
+        theirs = back.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(theirs, ours.generate(prompt, 6, temperature=0.0, use_cache=routing == "causal"))
+    assert_close(logits(from_hf(out), idx), ours(idx)[0], "exact")  # and back into mode
 
 
 def test_the_written_config_is_plain_json_with_the_family(saved, tmp_path):
