@@ -1,0 +1,117 @@
+"""The lm-evaluation-harness model (``mode.eval.harness``, registered as ``mode``) answers a
+local two-task file, offline: one multiple-choice (loglikelihood) and one generate_until
+task, with the numbers of this library's own forward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mode.config import load_config
+from mode.train import train
+from tests.tiny import TINY
+
+pytest.importorskip("lm_eval")
+
+CHOICE = [
+    {"question": "To be or not to", "choices": ["be", "eat", "run"], "label": 0},
+    {"question": "ROMEO: What light", "choices": ["through", "is", "never"], "label": 0},
+    {"question": "Now is the winter of our", "choices": ["discontent", "summer"], "label": 0},
+]
+GENERATE = [{"prompt": "KING:", "answer": " the"}, {"prompt": "Shall I compare", "answer": " thee"}]
+TASKS = """
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+"""
+CHOICE_TASK = """output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+GENERATE_TASK = """output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    cfg = load_config("mod", [*TINY, "model.mod.causal=predictor", "train.steps=2", f"train.out_dir={out}"])
+    train(cfg)
+    return out / "ckpt.pt"
+
+
+def write_tasks(root) -> None:
+    for name, rows, body in (("mode_choice", CHOICE, CHOICE_TASK), ("mode_generate", GENERATE, GENERATE_TASK)):
+        data = root / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (root / f"{name}.yaml").write_text(TASKS.format(name=name, data=data) + body.format())
+
+
+def test_the_harness_model_answers_a_local_task_file_with_our_numbers(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from mode.eval.harness import ModeLM
+
+    write_tasks(tmp_path)
+    results = lm_eval.simple_evaluate(
+        model="mode",
+        model_args=f"pretrained={checkpoint}",
+        tasks=["mode_choice", "mode_generate"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+    )
+    ours = ModeLM(str(checkpoint))
+    assert ours.routing == "causal"  # the MoD block decides per token: no look at later tokens
+    # multiple choice: each choice's log-likelihood after the target delimiter " ", and accuracy
+    samples = sorted(results["samples"]["mode_choice"], key=lambda s: s["doc_id"])
+    correct = []
+    for sample, doc in zip(samples, CHOICE, strict=True):
+        scores = [ours.loglikelihood_one(doc["question"], " " + c) for c in doc["choices"]]
+        got = [resp[0] for resp in sample["resps"]]
+        assert [g[0] for g in got] == pytest.approx([s[0] for s in scores], abs=1e-4)
+        correct.append(max(range(len(scores)), key=lambda i: scores[i][0]) == doc["label"])
+    assert results["results"]["mode_choice"]["acc,none"] == pytest.approx(sum(correct) / len(correct))
+    # generate_until: greedy tokens of our own generate, cut at the first stop string
+    samples = sorted(results["samples"]["mode_generate"], key=lambda s: s["doc_id"])
+    for sample, doc in zip(samples, GENERATE, strict=True):
+        prompt = torch.tensor(ours.tok.encode(doc["prompt"]))[None]
+        text = ours.tok.decode(ours.model.generate(prompt, 6, temperature=0.0)[0, prompt.shape[1] :].tolist())
+        assert sample["resps"][0][0] == text.split("\n")[0]
+
+
+def test_rolling_loglikelihood_scores_every_token_once(checkpoint):
+    from mode.eval.harness import ModeLM
+
+    ours = ModeLM(str(checkpoint), routing="topk")
+    text = "O Romeo, Romeo! wherefore art thou Romeo? " * 3  # longer than one 32-token window
+    ids = ours.tok.encode(text)
+    want = 0.0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, 32):  # the byte tokenizer has no end-of-text id
+            window = torch.tensor(ids[start : start + 33])[None]
+            logits, _ = ours.model(window[:, :-1], routing="topk")
+            want += torch.log_softmax(logits[0], -1).gather(1, window[0, 1:, None]).sum().item()
+
+    class Request:
+        args = (text,)
+
+    assert ours.loglikelihood_rolling([Request()]) == [pytest.approx(want, abs=1e-4)]
