@@ -68,7 +68,8 @@ class ModelConfig:
     dense MLP, ``d_ff`` wide (0: ``mlp_ratio * d_model``); ``n_kv_heads`` key/value heads
     (grouped-query attention; 0: ``n_heads``); ``bias`` on every linear and norm (GPT-2),
     ``qkv_bias`` on the query/key/value projection only (Qwen2); ``positions`` "rope" (at
-    ``rope_base``) | "learned" (a position embedding added to the token embedding);
+    ``rope_base``) | "learned" (a position embedding added to the token embedding); ``qk_norm``
+    RMSNorm on the projected queries and keys (OLMoE);
     ``tie_embeddings``: the LM head is the token embedding."""
 
     vocab_size: int = 256
@@ -89,6 +90,7 @@ class ModelConfig:
     bias: bool = False
     qkv_bias: bool = False
     positions: str = "rope"
+    qk_norm: bool = False
     mod: RoutingConfig = field(default_factory=RoutingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
@@ -146,6 +148,7 @@ class ModelConfig:
             qkv_bias=self.qkv_bias,
             positions=self.positions,
             rope_base=self.rope_base,
+            qk_norm=self.qk_norm,
         )
 
     def dense_d_ff(self) -> int:

@@ -14,6 +14,8 @@ Families (``config.json``'s ``model_type``):
 - ``mixtral`` -> a ``moe`` layout: a softmax router over ``num_local_experts``, top
   ``num_experts_per_tok`` renormalized, SwiGLU experts (the per-expert ``w1/w2/w3`` layout
   and transformers 5's fused ``gate_up_proj``/``down_proj`` both read).
+- ``olmoe`` -> a ``moe`` layout with query/key norms (``model.qk_norm``): a softmax router
+  over ``num_experts``, top ``num_experts_per_tok`` renormalized when ``norm_topk_prob``.
 
 ``to_hf`` writes dense models of the three architectures above and ``moe`` models as Mixtral,
 in the per-expert layout every transformers version loads, so that
@@ -45,14 +47,16 @@ from mode.model import MoDETransformer
 __all__ = ["UnsupportedCheckpoint", "config_from_hf", "from_hf", "hf_config", "hf_family", "read_hf_state", "to_hf"]
 
 StateDict = dict[str, torch.Tensor]
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral")  # and "mode_moe": to_hf's modeling-file export
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "olmoe")  # and "mode_moe": to_hf's modeling-file export
 # the transformers class of each family this library writes
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+MOE_FAMILIES = ("mixtral", "olmoe")
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -140,8 +144,8 @@ def config_from_hf(c: dict) -> ModelConfig:
 def _family_hint(family: str | None) -> str:
     hints = {
         "qwen2_moe": ": its shared expert has a sigmoid gate (shared_expert_gate) that mode's shared expert lacks",
-        "olmoe": ": it normalizes queries and keys (q_norm, k_norm), which mode's attention does not",
-        "qwen3": ": it normalizes queries and keys (q_norm, k_norm), which mode's attention does not",
+        "qwen3": ": it normalizes each head's queries and keys (q_norm, k_norm over head_dim); mode's qk_norm "
+        "normalizes all heads at once (OLMoE)",
     }
     return hints.get(family or "", "")
 
@@ -169,6 +173,7 @@ def _llama_config(c: dict, family: str, problems: list[str]) -> dict:
         "mlp": "swiglu",
         "d_ff": c["intermediate_size"],
         "qkv_bias": family == "qwen2",
+        "qk_norm": family == "olmoe",
         "positions": "rope",
         "rope_base": _rope_base(c, problems),
         "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
@@ -189,6 +194,20 @@ def _llama_config(c: dict, family: str, problems: list[str]) -> dict:
             "d_ff": c["intermediate_size"],
             "mlp": "swiglu",
             "renormalize": True,
+        }
+    if family == "olmoe":
+        if c.get("clip_qkv") is not None:
+            problems.append(f"clip_qkv={c['clip_qkv']}: queries, keys and values are not clipped here")
+        topk = c["num_experts_per_tok"]
+        if topk == 1 and c.get("norm_topk_prob"):
+            problems.append("num_experts_per_tok=1 with norm_topk_prob: mode's top-1 weight is the router probability")
+        model["layout"] = "moe"
+        model["moe"] = {
+            "n_experts": c["num_experts"],
+            "top_k": topk,
+            "d_ff": c["intermediate_size"],
+            "mlp": "swiglu",
+            "renormalize": bool(c.get("norm_topk_prob", False)),
         }
     return model
 
@@ -308,8 +327,11 @@ def _llama_in(state: _Tensors, cfg: ModelConfig) -> StateDict:
         if cfg.qkv_bias:
             out[q + "attn.qkv.bias"] = torch.cat([state.take(a + f"{n}_proj.bias") for n in "qkv"])
         out[q + "attn.proj.weight"] = state.take(a + "o_proj.weight")
+        if cfg.qk_norm:
+            out[q + "attn.q_norm.weight"] = state.take(a + "q_norm.weight")
+            out[q + "attn.k_norm.weight"] = state.take(a + "k_norm.weight")
         if cfg.layout == "moe":
-            out.update(_mixtral_experts_in(state, p, q + "mlp.", cfg.moe.n_experts))
+            out.update(_experts_in(state, p, q + "mlp.", cfg.moe.n_experts))
         else:
             out[q + "mlp.fc.weight"] = state.take(p + "mlp.gate_proj.weight")
             out[q + "mlp.up.weight"] = state.take(p + "mlp.up_proj.weight")
@@ -317,12 +339,19 @@ def _llama_in(state: _Tensors, cfg: ModelConfig) -> StateDict:
     return out
 
 
-def _mixtral_experts_in(state: _Tensors, p: str, q: str, n_experts: int) -> StateDict:
-    """Mixtral experts -> ``router.weight`` [E, D] and ``experts.w1/w3`` [E, D, F], ``w2`` [E, F, D]."""
+def _experts_in(state: _Tensors, p: str, q: str, n_experts: int) -> StateDict:
+    """Mixtral or OLMoE experts -> ``router.weight`` [E, D] and ``experts.w1/w3`` [E, D, F],
+    ``w2`` [E, F, D]."""
     if state.has(p + "mlp.experts.gate_up_proj"):  # transformers 5's fused layout
         router = state.take(p + "mlp.gate.weight")
         gate, up = state.take(p + "mlp.experts.gate_up_proj").chunk(2, dim=1)  # [E, F, D] each
         down = state.take(p + "mlp.experts.down_proj")  # [E, D, F]
+    elif state.has(p + "mlp.gate.weight"):  # OLMoE's per-expert layout
+        router = state.take(p + "mlp.gate.weight")
+        gate, up, down = (
+            torch.stack([state.take(p + f"mlp.experts.{e}.{w}_proj.weight") for e in range(n_experts)])
+            for w in ("gate", "up", "down")
+        )
     else:
         m = p + "block_sparse_moe."
         router = state.take(m + "gate.weight")
@@ -387,34 +416,39 @@ def hf_family(cfg: ModelConfig) -> str:
         )
     if gpt2 and (cfg.n_kv_heads not in (0, cfg.n_heads) or not cfg.tie_embeddings):
         problems.append("GPT-2 has one key/value head per query head and a tied head")
+    if cfg.qk_norm and kinds != {"moe"}:
+        problems.append("model.qk_norm=true: of the families only OLMoE (an MoE) normalizes queries and keys")
     if kinds == {"moe"}:
         m = cfg.moe
+        name = "OLMoE" if cfg.qk_norm else "Mixtral"
         if not llama:
-            problems.append("an MoE model exports as Mixtral, whose blocks are Llama's")
+            problems.append(f"an MoE model exports as {name}, whose blocks are Llama's")
         if cfg.qkv_bias:
-            problems.append("model.qkv_bias=true: Mixtral has no attention biases")
-        for name, value, want in [
+            problems.append(f"model.qkv_bias=true: {name} has no attention biases")
+        wanted = [
             ("router", m.router, "token_choice"),
             ("mlp", m.mlp, "swiglu"),
-            ("renormalize", m.renormalize, True),
             ("shared_expert", m.shared_expert, False),
             ("n_noop", m.n_noop, 0),
-        ]:
+        ]
+        if not cfg.qk_norm:  # OLMoE's norm_topk_prob says either
+            wanted.append(("renormalize", m.renormalize, True))
+        for field, value, want in wanted:
             if value != want:
-                problems.append(f"model.moe.{name}={value!r}: Mixtral needs {want!r}")
-        if m.top_k == 1:
+                problems.append(f"model.moe.{field}={value!r}: {name} needs {want!r}")
+        if m.top_k == 1 and not cfg.qk_norm:
             problems.append("model.moe.top_k=1: Mixtral weighs one expert by 1, mode by its router probability")
     _refuse(f"model (layout {cfg.layout!r})", problems)
     if kinds == {"moe"}:
-        return "mixtral"
+        return "olmoe" if cfg.qk_norm else "mixtral"
     return "gpt2" if gpt2 else ("qwen2" if cfg.qkv_bias else "llama")
 
 
 def _native_family(model: MoDETransformer) -> str:
     """``hf_family`` of the model, also refusing a non-zero aux-loss-free selection bias."""
     family = hf_family(model.cfg)
-    if family == "mixtral" and any(block.mlp.selection_bias.any() for block in model.blocks):
-        _refuse("model", ["the MoE selection bias (model.moe.bias_rate) is not zero: Mixtral's router has none"])
+    if family in MOE_FAMILIES and any(block.mlp.selection_bias.any() for block in model.blocks):
+        _refuse("model", [f"the MoE selection bias (model.moe.bias_rate) is not zero: {family}'s router has none"])
     return family
 
 
@@ -496,7 +530,7 @@ def _config_out(cfg: ModelConfig, family: str, dtype: torch.dtype) -> dict:
         **common,
         "architectures": [ARCHITECTURES[family]],
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.expert_d_ff() if family == "mixtral" else cfg.dense_d_ff(),
+        "intermediate_size": cfg.expert_d_ff() if family in MOE_FAMILIES else cfg.dense_d_ff(),
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
@@ -519,6 +553,15 @@ def _config_out(cfg: ModelConfig, family: str, dtype: torch.dtype) -> dict:
             router_jitter_noise=0.0,
             output_router_logits=False,
         )
+    if family == "olmoe":
+        out.update(
+            num_experts=cfg.moe.n_experts,
+            num_experts_per_tok=cfg.moe.top_k,
+            norm_topk_prob=cfg.moe.renormalize and cfg.moe.top_k > 1,  # mode's top-1 weight is the probability
+            clip_qkv=None,
+            attention_bias=False,
+            output_router_logits=False,
+        )
     return out
 
 
@@ -537,7 +580,15 @@ def _llama_out(state: StateDict, cfg: ModelConfig, family: str) -> StateDict:
             for n, t in zip("qkv", state[q + "attn.qkv.bias"].split((H * Dh, Hkv * Dh, Hkv * Dh)), strict=True):
                 out[p + f"self_attn.{n}_proj.bias"] = t
         out[p + "self_attn.o_proj.weight"] = state[q + "attn.proj.weight"]
-        if family == "mixtral":
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = state[q + "attn.q_norm.weight"]
+            out[p + "self_attn.k_norm.weight"] = state[q + "attn.k_norm.weight"]
+        if family == "olmoe":
+            out[p + "mlp.gate.weight"] = state[q + "mlp.router.weight"]
+            for w, ours in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                for e, t in enumerate(state[q + f"mlp.experts.{ours}"]):
+                    out[p + f"mlp.experts.{e}.{w}_proj.weight"] = t.t()
+        elif family == "mixtral":
             m = p + "block_sparse_moe."
             out[m + "gate.weight"] = state[q + "mlp.router.weight"]
             for w in ("w1", "w2", "w3"):

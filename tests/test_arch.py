@@ -37,6 +37,7 @@ ARCHS = {
         "model.moe.mlp=swiglu",
     ],
     "qwen2": ["model.norm=rmsnorm", "model.mlp=swiglu", "model.n_kv_heads=1", "model.qkv_bias=true"],
+    "olmoe": ["model.norm=rmsnorm", "model.mlp=swiglu", "model.qk_norm=true", "model.moe.mlp=swiglu"],
 }
 
 
@@ -62,6 +63,7 @@ def test_every_kind_trains_in_every_architecture(kind, arch):
     assert any(n.endswith("attn.qkv.bias") for n in names) == (cfg.bias or cfg.qkv_bias)
     assert any(n.endswith("attn.proj.bias") for n in names) == cfg.bias
     assert ("pos_emb.weight" in names) == (cfg.positions == "learned")
+    assert any(n.endswith("attn.q_norm.weight") for n in names) == cfg.qk_norm
     assert isinstance(model.norm, RMSNorm) == (cfg.norm == "rmsnorm")
     assert (model.lm_head.weight is model.tok_emb.weight) == cfg.tie_embeddings
 

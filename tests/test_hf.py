@@ -33,6 +33,11 @@ FAMILIES = {
         "MixtralForCausalLM",
         {**LLAMA, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        {**LLAMA, "intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    ),
 }
 IDX = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
 
@@ -73,7 +78,7 @@ def test_from_hf_computes_the_hf_logits(saved):
     want = logits(hf)
     assert want.std() > 0.5, "logits too flat to tell a wrong layout"
     assert_close(logits(ours), want, "model")
-    assert ours.cfg.layout == ("moe" if family == "mixtral" else "dense")
+    assert ours.cfg.layout == ("moe" if family in ("mixtral", "olmoe") else "dense")
 
 
 def test_to_hf_gives_transformers_our_logits_and_greedy_tokens(saved, tmp_path):
@@ -129,7 +134,8 @@ def test_mixtral_experts_in_transformers_5s_fused_layout_load_too(tmp_path):
     "change,named",
     [
         ({"model_type": "qwen2_moe"}, "shared_expert_gate"),
-        ({"model_type": "olmoe"}, "q_norm"),
+        ({"model_type": "qwen3"}, "q_norm"),
+        ({"model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0}, "clip_qkv=8.0"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
         ({"head_dim": 16}, "head_dim=16"),
         ({"attention_bias": True}, "attention_bias=true"),

@@ -9,7 +9,11 @@ family        norm       mlp        n_kv_heads  bias    qkv_bias   positions
 GPT-2         layernorm  gelu_tanh  n_heads     true    (true)     learned
 Llama         rmsnorm    swiglu     any         false   false      rope
 Qwen2         rmsnorm    swiglu     any         false   true       rope
+OLMoE         rmsnorm    swiglu     any         false   false      rope, qk_norm
 ============  =========  =========  ==========  ======  =========  =========
+
+``qk_norm`` RMS-normalizes the projected queries (all heads at once, width D) and keys
+(width Hkv * Dh) before RoPE (OLMoE).
 
 ``bias`` puts a bias on every linear of the block and on the norms (GPT-2); ``qkv_bias`` on
 the query/key/value projection only (Qwen2). ``positions="learned"`` adds a position
@@ -40,7 +44,7 @@ class Arch:
     """norm: "layernorm" | "rmsnorm" (``norm_eps``); mlp: the dense MLP, "gelu", "gelu_tanh"
     (GPT-2's tanh approximation) or "swiglu"; n_kv_heads: key/value heads (grouped-query
     attention; None = n_heads); bias / qkv_bias: see the module docstring; positions: "rope"
-    (at ``rope_base``) or "learned"."""
+    (at ``rope_base``) or "learned"; qk_norm: RMSNorm on the projected queries and keys."""
 
     norm: str = "layernorm"
     norm_eps: float = 1e-5
@@ -50,6 +54,7 @@ class Arch:
     qkv_bias: bool = False
     positions: str = "rope"
     rope_base: float = 10000.0
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         check_choice("norm", self.norm, NORM_KINDS)

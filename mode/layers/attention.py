@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mode.layers.arch import DEFAULT_ARCH, Arch
+from mode.layers.arch import DEFAULT_ARCH, Arch, RMSNorm
 
 AttentionBackend = Literal["sdpa", "xformers"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
@@ -153,6 +153,9 @@ class CausalSelfAttention(nn.Module):
         width = (n_heads + 2 * self.n_kv_heads) * self.head_dim  # q, k, v heads in this order
         self.qkv = nn.Linear(d_model, width, bias=arch.bias or arch.qkv_bias)
         self.proj = nn.Linear(d_model, d_model, bias=arch.bias)
+        # qk_norm: RMSNorm over all query heads at once and over all key heads (OLMoE)
+        self.q_norm = RMSNorm(d_model, arch.norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.n_kv_heads * self.head_dim, arch.norm_eps) if arch.qk_norm else None
         self.backend: AttentionBackend = "sdpa"
 
     def set_backend(self, backend: str) -> None:
@@ -188,7 +191,11 @@ class CausalSelfAttention(nn.Module):
         [B, H, T, Dh], k, v [B, Hkv, T, Dh] with RoPE applied to q and k (one rotation of both)."""
         B, T, D = x.shape
         H, Hkv = self.n_heads, self.n_kv_heads
-        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
+        projected = self.qkv(x)
+        if self.q_norm is not None:
+            q, k, v = projected.split((H * self.head_dim, Hkv * self.head_dim, Hkv * self.head_dim), dim=-1)
+            projected = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        qkv = projected.view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
         qk, v = qkv.split((H + Hkv, Hkv), dim=1)
         if self.use_rope:
             qk = apply_rope(qk, *self.rope(positions, T, length))
