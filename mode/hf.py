@@ -16,6 +16,9 @@ Families (``config.json``'s ``model_type``):
   and transformers 5's fused ``gate_up_proj``/``down_proj`` both read).
 - ``olmoe`` -> a ``moe`` layout with query/key norms (``model.qk_norm``): a softmax router
   over ``num_experts``, top ``num_experts_per_tok`` renormalized when ``norm_topk_prob``.
+- ``qwen2_moe`` -> Qwen2 attention, ``moe`` blocks with a gated shared expert
+  (``moe.shared_d_ff``, ``moe.shared_gate``) and ``dense`` blocks at ``mlp_only_layers`` and
+  between the ``decoder_sparse_step`` ones.
 
 ``to_hf`` writes dense models of the three architectures above and ``moe`` models as Mixtral,
 in the per-expert layout every transformers version loads, so that
@@ -47,7 +50,8 @@ from mode.model import MoDETransformer
 __all__ = ["UnsupportedCheckpoint", "config_from_hf", "from_hf", "hf_config", "hf_family", "read_hf_state", "to_hf"]
 
 StateDict = dict[str, torch.Tensor]
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "olmoe")  # and "mode_moe": to_hf's modeling-file export
+# and "mode_moe": to_hf's modeling-file export
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "olmoe", "qwen2_moe")
 # the transformers class of each family this library writes
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -55,8 +59,9 @@ ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
-MOE_FAMILIES = ("mixtral", "olmoe")
+MOE_FAMILIES = ("mixtral", "olmoe", "qwen2_moe")
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -143,7 +148,6 @@ def config_from_hf(c: dict) -> ModelConfig:
 
 def _family_hint(family: str | None) -> str:
     hints = {
-        "qwen2_moe": ": its shared expert has a sigmoid gate (shared_expert_gate) that mode's shared expert lacks",
         "qwen3": ": it normalizes each head's queries and keys (q_norm, k_norm over head_dim); mode's qk_norm "
         "normalizes all heads at once (OLMoE)",
     }
@@ -172,7 +176,7 @@ def _llama_config(c: dict, family: str, problems: list[str]) -> dict:
         "norm_eps": c.get("rms_norm_eps", 1e-6),
         "mlp": "swiglu",
         "d_ff": c["intermediate_size"],
-        "qkv_bias": family == "qwen2",
+        "qkv_bias": family in ("qwen2", "qwen2_moe"),
         "qk_norm": family == "olmoe",
         "positions": "rope",
         "rope_base": _rope_base(c, problems),
@@ -194,6 +198,27 @@ def _llama_config(c: dict, family: str, problems: list[str]) -> dict:
             "d_ff": c["intermediate_size"],
             "mlp": "swiglu",
             "renormalize": True,
+        }
+    if family == "qwen2_moe":
+        topk, step = c["num_experts_per_tok"], c.get("decoder_sparse_step", 1)
+        dense_at = set(c.get("mlp_only_layers", []))
+        model["qkv_bias"] = bool(c.get("qkv_bias", True))
+        if topk == 1 and c.get("norm_topk_prob"):
+            problems.append("num_experts_per_tok=1 with norm_topk_prob: mode's top-1 weight is the router probability")
+        kinds = [
+            "moe" if i not in dense_at and c["num_experts"] > 0 and (i + 1) % step == 0 else "dense"
+            for i in range(c["num_hidden_layers"])
+        ]
+        model["layout"] = ",".join(kinds)
+        model["moe"] = {
+            "n_experts": c["num_experts"],
+            "top_k": topk,
+            "d_ff": c["moe_intermediate_size"],
+            "mlp": "swiglu",
+            "renormalize": bool(c.get("norm_topk_prob", False)),
+            "shared_expert": bool(c.get("shared_expert_intermediate_size")),
+            "shared_d_ff": c.get("shared_expert_intermediate_size") or 0,
+            "shared_gate": bool(c.get("shared_expert_intermediate_size")),
         }
     if family == "olmoe":
         if c.get("clip_qkv") is not None:
@@ -330,8 +355,13 @@ def _llama_in(state: _Tensors, cfg: ModelConfig) -> StateDict:
         if cfg.qk_norm:
             out[q + "attn.q_norm.weight"] = state.take(a + "q_norm.weight")
             out[q + "attn.k_norm.weight"] = state.take(a + "k_norm.weight")
-        if cfg.layout == "moe":
+        if cfg.block_kinds()[i] == "moe":
             out.update(_experts_in(state, p, q + "mlp.", cfg.moe.n_experts))
+            if cfg.moe.shared_expert:  # Qwen2-MoE's gated shared expert
+                for theirs, ours in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                    w = state.take(p + f"mlp.shared_expert.{theirs}_proj.weight")
+                    out[q + f"mlp.shared.{ours}"] = w.t().contiguous()[None]
+                out[q + "mlp.shared_gate.weight"] = state.take(p + "mlp.shared_expert_gate.weight")
         else:
             out[q + "mlp.fc.weight"] = state.take(p + "mlp.gate_proj.weight")
             out[q + "mlp.up.weight"] = state.take(p + "mlp.up_proj.weight")
@@ -346,7 +376,7 @@ def _experts_in(state: _Tensors, p: str, q: str, n_experts: int) -> StateDict:
         router = state.take(p + "mlp.gate.weight")
         gate, up = state.take(p + "mlp.experts.gate_up_proj").chunk(2, dim=1)  # [E, F, D] each
         down = state.take(p + "mlp.experts.down_proj")  # [E, D, F]
-    elif state.has(p + "mlp.gate.weight"):  # OLMoE's per-expert layout
+    elif state.has(p + "mlp.gate.weight"):  # OLMoE's and Qwen2-MoE's per-expert layout
         router = state.take(p + "mlp.gate.weight")
         gate, up, down = (
             torch.stack([state.take(p + f"mlp.experts.{e}.{w}_proj.weight") for e in range(n_experts)])
@@ -401,11 +431,13 @@ def hf_family(cfg: ModelConfig) -> str:
     """The Hugging Face family a model config exports to; ``UnsupportedCheckpoint`` naming
     every field that keeps it from one."""
     kinds = set(cfg.block_kinds())
+    m = cfg.moe
+    qwen_moe = "moe" in kinds and kinds <= {"dense", "moe"} and m.shared_gate  # dense layers: mlp_only_layers
     problems = []
-    if kinds - {"dense", "moe"} or len(kinds) > 1:
+    if kinds - {"dense", "moe"} or (len(kinds) > 1 and not qwen_moe):
         problems.append(
-            f"model.layout={cfg.layout!r}: transformers has no depth-routed (MoD/MoDE) or mixed-layout model; "
-            "export supports layout 'dense' or 'moe' (every block)"
+            f"model.layout={cfg.layout!r}: transformers has no depth-routed (MoD/MoDE) or mixed-layout model "
+            "(but Qwen2-MoE's, whose MoE has a gated shared expert); export supports layout 'dense' or 'moe'"
         )
     gpt2 = (cfg.norm, cfg.mlp, cfg.bias, cfg.positions) == ("layernorm", "gelu_tanh", True, "learned")
     llama = (cfg.norm, cfg.mlp, cfg.bias, cfg.positions) == ("rmsnorm", "swiglu", False, "rope")
@@ -416,38 +448,37 @@ def hf_family(cfg: ModelConfig) -> str:
         )
     if gpt2 and (cfg.n_kv_heads not in (0, cfg.n_heads) or not cfg.tie_embeddings):
         problems.append("GPT-2 has one key/value head per query head and a tied head")
-    if cfg.qk_norm and kinds != {"moe"}:
+    if cfg.qk_norm and "moe" not in kinds:
         problems.append("model.qk_norm=true: of the families only OLMoE (an MoE) normalizes queries and keys")
-    if kinds == {"moe"}:
-        m = cfg.moe
-        name = "OLMoE" if cfg.qk_norm else "Mixtral"
+    if "moe" in kinds:
+        family = "olmoe" if cfg.qk_norm else ("qwen2_moe" if m.shared_gate else "mixtral")
+        name = {"olmoe": "OLMoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral"}[family]
         if not llama:
             problems.append(f"an MoE model exports as {name}, whose blocks are Llama's")
-        if cfg.qkv_bias:
+        if cfg.qkv_bias and family != "qwen2_moe":
             problems.append(f"model.qkv_bias=true: {name} has no attention biases")
-        wanted = [
-            ("router", m.router, "token_choice"),
-            ("mlp", m.mlp, "swiglu"),
-            ("shared_expert", m.shared_expert, False),
-            ("n_noop", m.n_noop, 0),
-        ]
-        if not cfg.qk_norm:  # OLMoE's norm_topk_prob says either
+        wanted = [("router", m.router, "token_choice"), ("mlp", m.mlp, "swiglu"), ("n_noop", m.n_noop, 0)]
+        wanted.append(("shared_expert", m.shared_expert, family == "qwen2_moe"))
+        if family == "mixtral":  # the others' norm_topk_prob says either
             wanted.append(("renormalize", m.renormalize, True))
+        if family == "qwen2_moe" and cfg.qk_norm:
+            wanted.append(("qk_norm", True, False))
         for field, value, want in wanted:
             if value != want:
                 problems.append(f"model.moe.{field}={value!r}: {name} needs {want!r}")
-        if m.top_k == 1 and not cfg.qk_norm:
+        if m.top_k == 1 and family == "mixtral":
             problems.append("model.moe.top_k=1: Mixtral weighs one expert by 1, mode by its router probability")
     _refuse(f"model (layout {cfg.layout!r})", problems)
-    if kinds == {"moe"}:
-        return "olmoe" if cfg.qk_norm else "mixtral"
+    if "moe" in kinds:
+        return family
     return "gpt2" if gpt2 else ("qwen2" if cfg.qkv_bias else "llama")
 
 
 def _native_family(model: MoDETransformer) -> str:
     """``hf_family`` of the model, also refusing a non-zero aux-loss-free selection bias."""
     family = hf_family(model.cfg)
-    if family in MOE_FAMILIES and any(block.mlp.selection_bias.any() for block in model.blocks):
+    biases = [m.selection_bias for m in model.modules() if hasattr(m, "selection_bias")]
+    if family in MOE_FAMILIES and any(b.any() for b in biases):
         _refuse("model", [f"the MoE selection bias (model.moe.bias_rate) is not zero: {family}'s router has none"])
     return family
 
@@ -530,7 +561,7 @@ def _config_out(cfg: ModelConfig, family: str, dtype: torch.dtype) -> dict:
         **common,
         "architectures": [ARCHITECTURES[family]],
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.expert_d_ff() if family in MOE_FAMILIES else cfg.dense_d_ff(),
+        "intermediate_size": cfg.expert_d_ff() if family in ("mixtral", "olmoe") else cfg.dense_d_ff(),
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
@@ -551,6 +582,20 @@ def _config_out(cfg: ModelConfig, family: str, dtype: torch.dtype) -> dict:
             num_local_experts=cfg.moe.n_experts,
             num_experts_per_tok=cfg.moe.top_k,
             router_jitter_noise=0.0,
+            output_router_logits=False,
+        )
+    if family == "qwen2_moe":
+        out.update(
+            num_experts=cfg.moe.n_experts,
+            num_experts_per_tok=cfg.moe.top_k,
+            norm_topk_prob=cfg.moe.renormalize and cfg.moe.top_k > 1,
+            moe_intermediate_size=cfg.expert_d_ff(),
+            shared_expert_intermediate_size=cfg.moe.shared_d_ff or cfg.expert_d_ff(),
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i, kind in enumerate(cfg.block_kinds()) if kind == "dense"],
+            qkv_bias=cfg.qkv_bias,
+            sliding_window=None,
+            use_sliding_window=False,
             output_router_logits=False,
         )
     if family == "olmoe":
@@ -583,11 +628,16 @@ def _llama_out(state: StateDict, cfg: ModelConfig, family: str) -> StateDict:
         if cfg.qk_norm:
             out[p + "self_attn.q_norm.weight"] = state[q + "attn.q_norm.weight"]
             out[p + "self_attn.k_norm.weight"] = state[q + "attn.k_norm.weight"]
-        if family == "olmoe":
+        kind = cfg.block_kinds()[i]
+        if family in ("olmoe", "qwen2_moe") and kind == "moe":
             out[p + "mlp.gate.weight"] = state[q + "mlp.router.weight"]
             for w, ours in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
                 for e, t in enumerate(state[q + f"mlp.experts.{ours}"]):
                     out[p + f"mlp.experts.{e}.{w}_proj.weight"] = t.t()
+                if cfg.moe.shared_expert:
+                    out[p + f"mlp.shared_expert.{w}_proj.weight"] = state[q + f"mlp.shared.{ours}"][0].t()
+            if cfg.moe.shared_gate:
+                out[p + "mlp.shared_expert_gate.weight"] = state[q + "mlp.shared_gate.weight"]
         elif family == "mixtral":
             m = p + "block_sparse_moe."
             out[m + "gate.weight"] = state[q + "mlp.router.weight"]

@@ -151,6 +151,7 @@ def test_learned_positions_are_added_and_end_at_seq_len():
         ("model.mlp=relu", "model.mlp"),
         ("model.positions=alibi", "model.positions"),
         ("model.norm_eps=0", "model.norm_eps"),
+        ("model.moe.shared_gate=true", "model.moe.shared_gate"),  # there is no shared expert to gate
     ],
 )
 def test_bad_architecture_options_name_the_field(override, field):

@@ -24,6 +24,15 @@ BLOCK_CASES = [
     ("moe", ["model.moe.backend=torch"]),
     ("moe", ["model.moe.backend=loop", "model.moe.top_k=1", "model.moe.mlp=swiglu"]),
     ("moe_capacity", ["model.moe.capacity_factor=1.25"]),
+    (
+        "moe",
+        [
+            "model.moe.backend=torch",
+            "model.moe.shared_expert=true",
+            "model.moe.shared_d_ff=96",
+            "model.moe.shared_gate=true",
+        ],
+    ),
     ("mode_staged", ["model.mod.capacity=0.25"]),
 ]
 

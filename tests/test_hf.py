@@ -33,6 +33,19 @@ FAMILIES = {
         "MixtralForCausalLM",
         {**LLAMA, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    "qwen2_moe": (  # a dense first layer (mlp_only_layers), then an MoE with a gated shared expert
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            **LLAMA,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 40,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "mlp_only_layers": [0],
+            "tie_word_embeddings": False,
+        },
+    ),
     "olmoe": (
         "OlmoeConfig",
         "OlmoeForCausalLM",
@@ -78,7 +91,8 @@ def test_from_hf_computes_the_hf_logits(saved):
     want = logits(hf)
     assert want.std() > 0.5, "logits too flat to tell a wrong layout"
     assert_close(logits(ours), want, "model")
-    assert ours.cfg.layout == ("moe" if family in ("mixtral", "olmoe") else "dense")
+    layouts = {"mixtral": "moe", "olmoe": "moe", "qwen2_moe": "dense,moe"}
+    assert ours.cfg.layout == layouts.get(family, "dense")
 
 
 def test_to_hf_gives_transformers_our_logits_and_greedy_tokens(saved, tmp_path):
@@ -133,7 +147,7 @@ def test_mixtral_experts_in_transformers_5s_fused_layout_load_too(tmp_path):
 @pytest.mark.parametrize(
     "change,named",
     [
-        ({"model_type": "qwen2_moe"}, "shared_expert_gate"),
+        ({"model_type": "deepseek_v3"}, "model_type='deepseek_v3'"),
         ({"model_type": "qwen3"}, "q_norm"),
         ({"model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0}, "clip_qkv=8.0"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),

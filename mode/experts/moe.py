@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range, fail
 from mode.experts.dispatch import Dispatcher, LocalDispatcher
@@ -76,6 +77,9 @@ def check_moe_args(
     z_coef: float = 0.001,
     bias_rate: float = 0.0,
     token_moves: str = "auto",
+    shared_expert: bool = False,
+    shared_d_ff: int = 0,
+    shared_gate: bool = False,
     prefix: str = "",
     **_: object,
 ) -> None:
@@ -98,6 +102,11 @@ def check_moe_args(
     check_positive(prefix + "z_coef", z_coef, allow_zero=True)
     check_positive(prefix + "bias_rate", bias_rate, allow_zero=True)
     check_choice(prefix + "token_moves", token_moves, TOKEN_MOVES)
+    check_int(prefix + "shared_d_ff", shared_d_ff)
+    check_positive(prefix + "shared_d_ff", shared_d_ff, allow_zero=True)
+    for name, value in (("shared_d_ff", shared_d_ff), ("shared_gate", shared_gate)):
+        if value and not shared_expert:
+            fail(prefix + name, value, "applies to the shared expert: set shared_expert=true, or leave it unset")
 
 
 @dataclass
@@ -122,6 +131,8 @@ class MoEConfig:
     capacity_factor: float = 1.25
     drop_policy: str = "position"
     shared_expert: bool = False
+    shared_d_ff: int = 0  # the shared expert's width; 0: d_ff
+    shared_gate: bool = False  # scale the shared expert by sigmoid(a learned projection) (Qwen2-MoE)
     n_noop: int = 0
     noop_share: float = 0.5
     lb_coef: float = 0.01
@@ -157,7 +168,8 @@ def moe_flops(
         rows = round(n * cfg.top_k * real_share)
     else:
         rows = cfg.n_experts * expert_capacity(n, cfg.top_k, cfg.n_experts, cfg.capacity_factor)
-    shared = mlp_flops(n, d_model, d_ff, cfg.mlp) if cfg.shared_expert else 0
+    shared = mlp_flops(n, d_model, cfg.shared_d_ff or d_ff, cfg.mlp) + 2 * n * d_model * cfg.shared_gate
+    shared = shared if cfg.shared_expert else 0
     return router + mlp_flops(rows, d_model, d_ff, cfg.mlp) + shared
 
 
@@ -171,7 +183,8 @@ class MoELayer(Routed):
         backend: "auto", "chunked", "torch", "loop" or "megablocks" (``mode.experts.grouped_gemm``).
         renormalize: top-k combine weights sum to one. jitter: router input noise (training).
         capacity_factor, drop_policy: capacity MoE / expert-choice slots.
-        shared_expert: add a dense MLP of width d_ff that every token goes through.
+        shared_expert: add a dense MLP that every token goes through, ``shared_d_ff`` wide (0:
+            d_ff); ``shared_gate`` scales it by ``sigmoid(x @ w)``, one learned projection.
         n_noop, noop_share: no-op experts and their target share in the balance loss.
         lb_coef, z_coef: load-balance and z-loss coefficients.
         lb_scope: the tokens the balance loss sees: "micro_batch" (this forward's), "sequence"
@@ -203,6 +216,8 @@ class MoELayer(Routed):
         z_coef: float = 0.001,
         bias_rate: float = 0.0,
         token_moves: TokenMoves = "auto",
+        shared_d_ff: int = 0,
+        shared_gate: bool = False,
     ) -> None:
         super().__init__()
         check_moe_args(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
@@ -215,7 +230,8 @@ class MoELayer(Routed):
         self.experts = ExpertMLP(n_experts, d_model, d_ff, mlp, backend)
         real_share = 1.0 - (noop_share if n_noop else 0.0)
         self.experts.active_fraction = min(1.0, top_k * real_share / n_experts)
-        self.shared = ExpertMLP(1, d_model, d_ff, mlp, backend) if shared_expert else None
+        self.shared = ExpertMLP(1, d_model, shared_d_ff or d_ff, mlp, backend) if shared_expert else None
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_gate else None
         self.register_buffer("target", target_shares(n_experts, n_noop, noop_share), persistent=False)
         self.register_buffer("selection_bias", torch.zeros(n_experts + n_noop))
         self.register_buffer("_load_sum", torch.zeros(n_experts + n_noop), persistent=False)
@@ -245,6 +261,8 @@ class MoELayer(Routed):
             z_coef=cfg.z_coef,
             bias_rate=cfg.bias_rate,
             token_moves=cfg.token_moves,
+            shared_d_ff=cfg.shared_d_ff,
+            shared_gate=cfg.shared_gate,
         )
 
     def non_causal_reason(self) -> str | None:
@@ -322,7 +340,10 @@ class MoELayer(Routed):
         self.clear_aux()
         out = self._routed(x2, tuple(x.shape))
         if self.shared is not None:
-            out = out + self.shared(x2, torch.tensor([x2.shape[0]], device=x.device))
+            shared = self.shared(x2, torch.tensor([x2.shape[0]], device=x.device))
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x2)) * shared
+            out = out + shared
         return out.view_as(x)
 
     def _routed(self, x2: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
