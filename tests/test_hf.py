@@ -262,6 +262,19 @@ IDENTITY = {
 }
 
 
+def test_upcycling_a_published_model_into_integrated_mode_fills_its_experts(tmp_path):
+    """No identity setting exists (no-op experts take a share): the experts hold the
+    published MLP's hidden slices and the model computes finite logits."""
+    hf = hf_model("llama")
+    hf.save_pretrained(tmp_path)
+    model = upcycle(f"hf:{tmp_path}", load_config("mode_integrated", ["model.moe.top_k=2"])).eval()
+    mlp = hf.model.layers[1].mlp
+    experts = model.blocks[1].mlp.experts
+    assert_close(experts.w1[0], mlp.gate_proj.weight[:24].T, "exact")
+    assert_close(experts.w3[1], mlp.up_proj.weight[24:].T, "exact")
+    assert torch.isfinite(logits(model)).all()
+
+
 @pytest.mark.parametrize("preset", list(IDENTITY))
 def test_upcycling_a_published_model_at_the_identity_settings_keeps_its_logits(preset, tmp_path):
     """The preset's own width and architecture give way to the published model's."""

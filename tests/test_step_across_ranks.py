@@ -67,15 +67,17 @@ def sgd_gradients(model: torch.nn.Module, x, y, ctx=None) -> dict[str, torch.Ten
     return {k: before[k] - after[k] for k in before}
 
 
-# Grouped-query attention, RMSNorm, a SwiGLU dense MLP, query/key/value biases (the experts stay
+# Grouped-query attention, RMSNorm, a SwiGLU dense MLP, query/key biases and norms (the experts stay
 # GELU: SwiGLU experts at init have gradients too small to show a mis-scaled one).
 LLAMA_LIKE = [
     "model.norm=rmsnorm",
     "model.mlp=swiglu",
     "model.n_kv_heads=2",
     "model.qkv_bias=true",
+    "model.qk_norm=true",
     "model.tie_embeddings=false",
 ]
+GPT2_LIKE = ["model.mlp=gelu_tanh", "model.bias=true", "model.positions=learned"]
 
 
 def gradient_worker(rank: int, world: int, dp: int, ep: int, root: str, arch: list[str]) -> None:
@@ -89,7 +91,7 @@ def gradient_worker(rank: int, world: int, dp: int, ep: int, root: str, arch: li
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", [[], LLAMA_LIKE], ids=["default", "llama_like"])
+@pytest.mark.parametrize("arch", [[], LLAMA_LIKE, GPT2_LIKE], ids=["default", "llama_like", "gpt2_like"])
 def test_one_step_under_dp_and_ep_applies_the_one_process_gradient(tmp_path, arch):
     """Mutants: expert gradients left undivided by ep, or non-expert ones unaveraged over the
     world (AdamW's update hides a constant scale, so the loss curves barely show it)."""
