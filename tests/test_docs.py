@@ -43,10 +43,12 @@ def test_the_hugging_face_commands_run_at_tiny_size(tmp_path):
     tiny += " train.progress=false train.max_seconds=0"
     script = commands.replace("path/to/llama", str(tmp_path / "llama")).replace("runs/", f"{tmp_path}/runs/")
     script = script.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+    extra = {"mode-train": f" {tiny}", "mode-eval": " --max-batches 2"}
     script = "\n".join(
-        line.split("#")[0] + (f" {tiny}" if "mode-train" in line else "") for line in script.splitlines()
+        line.split("#")[0] + next((v for k, v in extra.items() if k in line), "") for line in script.splitlines()
     )
-    subprocess.run(["bash", "-euc", script], cwd=ROOT, check=True, capture_output=True)
+    done = subprocess.run(["bash", "-euc", script], cwd=ROOT, check=True, capture_output=True, text=True)
+    assert "causal routing: loss" in done.stdout  # mode-eval of the staged MoDE run
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "moe_hf").eval()
     model = MoDETransformer(checkpoint_config(tmp_path / "runs" / "moe" / "ckpt.pt").model)
     load_checkpoint(tmp_path / "runs" / "moe" / "ckpt.pt", model)

@@ -143,3 +143,13 @@ def main_generate(argv: list[str] | None = None) -> str:
     text = tok.decode(out[0].tolist())
     print(text)
     return text
+
+
+def eval_cli() -> None:
+    """The ``mode-eval`` console script (its exit status is 0: ``main_eval`` returns results)."""
+    main_eval()
+
+
+def generate_cli() -> None:
+    """The ``mode-generate`` console script."""
+    main_generate()
