@@ -200,41 +200,33 @@ def _llama_config(c: dict, family: str, problems: list[str]) -> dict:
             "renormalize": True,
         }
     if family == "qwen2_moe":
-        topk, step = c["num_experts_per_tok"], c.get("decoder_sparse_step", 1)
+        step = c.get("decoder_sparse_step", 1)
         dense_at = set(c.get("mlp_only_layers", []))
         model["qkv_bias"] = bool(c.get("qkv_bias", True))
-        if topk == 1 and c.get("norm_topk_prob"):
-            problems.append("num_experts_per_tok=1 with norm_topk_prob: mode's top-1 weight is the router probability")
         kinds = [
             "moe" if i not in dense_at and c["num_experts"] > 0 and (i + 1) % step == 0 else "dense"
             for i in range(c["num_hidden_layers"])
         ]
         model["layout"] = ",".join(kinds)
-        model["moe"] = {
-            "n_experts": c["num_experts"],
-            "top_k": topk,
-            "d_ff": c["moe_intermediate_size"],
-            "mlp": "swiglu",
-            "renormalize": bool(c.get("norm_topk_prob", False)),
-            "shared_expert": bool(c.get("shared_expert_intermediate_size")),
-            "shared_d_ff": c.get("shared_expert_intermediate_size") or 0,
-            "shared_gate": bool(c.get("shared_expert_intermediate_size")),
-        }
+        shared = c.get("shared_expert_intermediate_size") or 0
+        model["moe"] = _topk_prob_experts(c, c["moe_intermediate_size"], problems)
+        model["moe"].update(shared_expert=bool(shared), shared_d_ff=shared, shared_gate=bool(shared))
     if family == "olmoe":
         if c.get("clip_qkv") is not None:
             problems.append(f"clip_qkv={c['clip_qkv']}: queries, keys and values are not clipped here")
-        topk = c["num_experts_per_tok"]
-        if topk == 1 and c.get("norm_topk_prob"):
-            problems.append("num_experts_per_tok=1 with norm_topk_prob: mode's top-1 weight is the router probability")
         model["layout"] = "moe"
-        model["moe"] = {
-            "n_experts": c["num_experts"],
-            "top_k": topk,
-            "d_ff": c["intermediate_size"],
-            "mlp": "swiglu",
-            "renormalize": bool(c.get("norm_topk_prob", False)),
-        }
+        model["moe"] = _topk_prob_experts(c, c["intermediate_size"], problems)
     return model
+
+
+def _topk_prob_experts(c: dict, d_ff: int, problems: list[str]) -> dict:
+    """``model.moe`` of an OLMoE / Qwen2-MoE config: SwiGLU experts ``d_ff`` wide whose top-k
+    weights are renormalized when ``norm_topk_prob``."""
+    topk = c["num_experts_per_tok"]
+    if topk == 1 and c.get("norm_topk_prob"):
+        problems.append("num_experts_per_tok=1 with norm_topk_prob: mode's top-1 weight is the router probability")
+    renormalize = bool(c.get("norm_topk_prob", False))
+    return {"n_experts": c["num_experts"], "top_k": topk, "d_ff": d_ff, "mlp": "swiglu", "renormalize": renormalize}
 
 
 def _gpt2_config(c: dict, problems: list[str]) -> dict:
