@@ -261,14 +261,12 @@ def load_corpus(
         )
     n_val = max(seq_len + 2, int(len(tokens) * val_fraction))
     train, val = TokenSplit(tokens[:-n_val], seq_len), TokenSplit(tokens[-n_val:], seq_len)
-    is_text = source == "shakespeare" or Path(source).suffix not in (".bin", ".u32") and not glob.has_magic(source)
-    if not is_text:
-        return Corpus(train, val, vocab, None, None)
-    if tokenizer == "bytes":
-        return Corpus(train, val, vocab, "bytes", 1.0)
+    spec = source_tokenizer(source, tokenizer)
+    if spec in (None, "bytes"):  # token files: unknown; bytes: one per token
+        return Corpus(train, val, vocab, spec, None if spec is None else 1.0)
     from mode.tokenizer import load_tokenizer  # noqa: PLC0415
 
-    return Corpus(train, val, vocab, tokenizer, text_bytes_per_token(load_tokenizer(tokenizer), val.tokens))
+    return Corpus(train, val, vocab, spec, text_bytes_per_token(load_tokenizer(spec), val.tokens))
 
 
 def text_bytes_per_token(tokenizer, ids) -> float:
@@ -282,11 +280,15 @@ def source_tokenizer(source: str, tokenizer: str = "bytes") -> str | None:
     ``meta.json``), None for token files (unknown), else ``tokenizer`` (``data.tokenizer``)."""
     path = Path(source)
     if path.is_dir() and (path / "meta.json").is_file():
-        meta = json.loads((path / "meta.json").read_text())
-        return meta["tokenizer"] if meta["tokenizer"] == "bytes" else str(path / meta["tokenizer"])
+        return _meta_tokenizer(path, json.loads((path / "meta.json").read_text()))
     if glob.has_magic(source) or path.suffix in (".bin", ".u32"):
         return None
     return tokenizer
+
+
+def _meta_tokenizer(path: Path, meta: dict) -> str:
+    """A prepared directory's tokenizer: "bytes", or the path of its ``tokenizer.json``."""
+    return meta["tokenizer"] if meta["tokenizer"] == "bytes" else str(path / meta["tokenizer"])
 
 
 def _prepared_corpus(path: Path, seq_len: int, tokenizer: str) -> Corpus:
@@ -294,7 +296,7 @@ def _prepared_corpus(path: Path, seq_len: int, tokenizer: str) -> Corpus:
     if not meta_file.is_file():
         raise FileNotFoundError(f"data.source={str(path)!r} is a directory without meta.json: run mode-prepare on it")
     meta = json.loads(meta_file.read_text())
-    spec = meta["tokenizer"] if meta["tokenizer"] == "bytes" else str(path / meta["tokenizer"])
+    spec = _meta_tokenizer(path, meta)
     if tokenizer != "bytes" and Path(tokenizer).resolve() != Path(spec).resolve():
         raise ValueError(
             f"data.tokenizer={tokenizer!r} but {meta_file} says its tokens are {meta['tokenizer']!r}: leave "

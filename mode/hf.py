@@ -62,6 +62,19 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 MOE_FAMILIES = ("mixtral", "olmoe", "qwen2_moe")
+# Parameter names, each table used both ways: Llama-family ``{name}_proj`` of a SwiGLU MLP ->
+# this library's dense MLP (``mlp.<ours>``) and experts (``experts.<ours>``, transposed) ...
+DENSE_MLP = (("gate", "fc"), ("up", "up"), ("down", "proj"))
+EXPERT_MLP = (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+# ... and GPT-2's blocks: (ours, theirs, transposed: Conv1D stores [in, out]), each with a bias
+GPT2_BLOCK = (
+    ("norm1", "ln_1", False),
+    ("attn.qkv", "attn.c_attn", True),
+    ("attn.proj", "attn.c_proj", True),
+    ("norm2", "ln_2", False),
+    ("mlp.fc", "mlp.c_fc", True),
+    ("mlp.proj", "mlp.c_proj", True),
+)
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -335,7 +348,7 @@ def _llama_in(state: _Tensors, cfg: ModelConfig) -> StateDict:
         if head is None:
             raise UnsupportedCheckpoint("tie_word_embeddings=false but the checkpoint has no lm_head.weight")
         out["lm_head.weight"] = head
-    for i in range(cfg.n_layers):
+    for i, kind in enumerate(cfg.block_kinds()):
         p, q = f"layers.{i}.", f"blocks.{i}."
         out[q + "norm1.weight"] = state.take(p + "input_layernorm.weight")
         out[q + "norm2.weight"] = state.take(p + "post_attention_layernorm.weight")
@@ -347,17 +360,16 @@ def _llama_in(state: _Tensors, cfg: ModelConfig) -> StateDict:
         if cfg.qk_norm:
             out[q + "attn.q_norm.weight"] = state.take(a + "q_norm.weight")
             out[q + "attn.k_norm.weight"] = state.take(a + "k_norm.weight")
-        if cfg.block_kinds()[i] == "moe":
+        if kind == "moe":
             out.update(_experts_in(state, p, q + "mlp.", cfg.moe.n_experts))
             if cfg.moe.shared_expert:  # Qwen2-MoE's gated shared expert
-                for theirs, ours in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                for theirs, ours in EXPERT_MLP:
                     w = state.take(p + f"mlp.shared_expert.{theirs}_proj.weight")
                     out[q + f"mlp.shared.{ours}"] = w.t().contiguous()[None]
                 out[q + "mlp.shared_gate.weight"] = state.take(p + "mlp.shared_expert_gate.weight")
         else:
-            out[q + "mlp.fc.weight"] = state.take(p + "mlp.gate_proj.weight")
-            out[q + "mlp.up.weight"] = state.take(p + "mlp.up_proj.weight")
-            out[q + "mlp.proj.weight"] = state.take(p + "mlp.down_proj.weight")
+            for theirs, ours in DENSE_MLP:
+                out[q + f"mlp.{ours}.weight"] = state.take(p + f"mlp.{theirs}_proj.weight")
     return out
 
 
@@ -372,7 +384,7 @@ def _experts_in(state: _Tensors, p: str, q: str, n_experts: int) -> StateDict:
         router = state.take(p + "mlp.gate.weight")
         gate, up, down = (
             torch.stack([state.take(p + f"mlp.experts.{e}.{w}_proj.weight") for e in range(n_experts)])
-            for w in ("gate", "up", "down")
+            for w, _ in EXPERT_MLP
         )
     else:
         m = p + "block_sparse_moe."
@@ -399,17 +411,8 @@ def _gpt2_in(state: _Tensors, cfg: ModelConfig) -> StateDict:
     head = state.take_optional("lm_head.weight")
     if not cfg.tie_embeddings and head is not None:
         out["lm_head.weight"] = head
-    # (ours, theirs, transposed: Conv1D stores [in, out])
-    names = [
-        ("norm1", "ln_1", False),
-        ("attn.qkv", "attn.c_attn", True),
-        ("attn.proj", "attn.c_proj", True),
-        ("norm2", "ln_2", False),
-        ("mlp.fc", "mlp.c_fc", True),
-        ("mlp.proj", "mlp.c_proj", True),
-    ]
     for i in range(cfg.n_layers):
-        for ours, theirs, transposed in names:
+        for ours, theirs, transposed in GPT2_BLOCK:
             w = state.take(f"h.{i}.{theirs}.weight")
             out[f"blocks.{i}.{ours}.weight"] = w.t().contiguous() if transposed else w
             out[f"blocks.{i}.{ours}.bias"] = state.take(f"h.{i}.{theirs}.bias")
@@ -603,27 +606,25 @@ def _config_out(cfg: ModelConfig, family: str, dtype: torch.dtype) -> dict:
 
 
 def _llama_out(state: StateDict, cfg: ModelConfig, family: str) -> StateDict:
-    H, Hkv, Dh = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
+    Dh = cfg.d_model // cfg.n_heads
+    qkv_rows = (cfg.n_heads * Dh, (cfg.n_kv_heads or cfg.n_heads) * Dh, (cfg.n_kv_heads or cfg.n_heads) * Dh)
     out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
-    for i in range(cfg.n_layers):
+    for i, kind in enumerate(cfg.block_kinds()):
         p, q = f"model.layers.{i}.", f"blocks.{i}."
         out[p + "input_layernorm.weight"] = state[q + "norm1.weight"]
         out[p + "post_attention_layernorm.weight"] = state[q + "norm2.weight"]
-        for n, t in zip("qkv", state[q + "attn.qkv.weight"].split((H * Dh, Hkv * Dh, Hkv * Dh)), strict=True):
-            out[p + f"self_attn.{n}_proj.weight"] = t
-        if cfg.qkv_bias:
-            for n, t in zip("qkv", state[q + "attn.qkv.bias"].split((H * Dh, Hkv * Dh, Hkv * Dh)), strict=True):
-                out[p + f"self_attn.{n}_proj.bias"] = t
+        for part in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            for n, t in zip("qkv", state[q + f"attn.qkv.{part}"].split(qkv_rows), strict=True):
+                out[p + f"self_attn.{n}_proj.{part}"] = t
         out[p + "self_attn.o_proj.weight"] = state[q + "attn.proj.weight"]
         if cfg.qk_norm:
             out[p + "self_attn.q_norm.weight"] = state[q + "attn.q_norm.weight"]
             out[p + "self_attn.k_norm.weight"] = state[q + "attn.k_norm.weight"]
-        kind = cfg.block_kinds()[i]
         if family in ("olmoe", "qwen2_moe") and kind == "moe":
             out[p + "mlp.gate.weight"] = state[q + "mlp.router.weight"]
-            for w, ours in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            for w, ours in EXPERT_MLP:
                 for e, t in enumerate(state[q + f"mlp.experts.{ours}"]):
                     out[p + f"mlp.experts.{e}.{w}_proj.weight"] = t.t()
                 if cfg.moe.shared_expert:
@@ -637,9 +638,8 @@ def _llama_out(state: StateDict, cfg: ModelConfig, family: str) -> StateDict:
                 for e, t in enumerate(state[q + f"mlp.experts.{w}"]):
                     out[m + f"experts.{e}.{w}.weight"] = t.t()
         else:
-            out[p + "mlp.gate_proj.weight"] = state[q + "mlp.fc.weight"]
-            out[p + "mlp.up_proj.weight"] = state[q + "mlp.up.weight"]
-            out[p + "mlp.down_proj.weight"] = state[q + "mlp.proj.weight"]
+            for theirs, ours in DENSE_MLP:
+                out[p + f"mlp.{theirs}_proj.weight"] = state[q + f"mlp.{ours}.weight"]
     return out
 
 
@@ -650,10 +650,8 @@ def _gpt2_out(state: StateDict, cfg: ModelConfig) -> StateDict:
         "transformer.ln_f.weight": state["norm.weight"],
         "transformer.ln_f.bias": state["norm.bias"],
     }
-    names = [("norm1", "ln_1", False), ("attn.qkv", "attn.c_attn", True), ("attn.proj", "attn.c_proj", True)]
-    names += [("norm2", "ln_2", False), ("mlp.fc", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True)]
     for i in range(cfg.n_layers):
-        for ours, theirs, transposed in names:
+        for ours, theirs, transposed in GPT2_BLOCK:
             w = state[f"blocks.{i}.{ours}.weight"]
             out[f"transformer.h.{i}.{theirs}.weight"] = w.t() if transposed else w
             out[f"transformer.h.{i}.{theirs}.bias"] = state[f"blocks.{i}.{ours}.bias"]

@@ -162,7 +162,13 @@ class RunLogger:
     and the info messages, not the files or warnings)."""
 
     def __init__(
-        self, out_dir: str | Path, rank: int, name: str, progress: bool = True, loggers: list[str] | None = None
+        self,
+        out_dir: str | Path,
+        rank: int,
+        name: str,
+        progress: bool = True,
+        loggers: list[str] | None = None,
+        config: dict | None = None,
     ) -> None:
         self.out_dir, self.active, self.name = Path(out_dir), rank == 0, name
         self.progress = progress and self.active
@@ -171,8 +177,8 @@ class RunLogger:
         self.file = None
         self.last_val = float("nan")
         self.logger_names = list(loggers or [])
-        self.sinks: list | None = None  # opened with the first record (after config.json is known)
-        self.config: dict = {}
+        self.sinks: list | None = None  # opened with the first record (rank 0)
+        self.config = config or {}  # the run's config, given to the other loggers
         _default_handler()
 
     def write_json(self, filename: str, values: dict) -> None:
@@ -180,8 +186,6 @@ class RunLogger:
         if self.active:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / filename).write_text(json.dumps(values, indent=2))
-            if filename == "config.json":
-                self.config = values
 
     def say(self, message: str) -> None:
         """Log a message at INFO (rank 0, when showing progress)."""

@@ -162,7 +162,8 @@ class Run:
         model = parallelize_model((model or MoDETransformer(cfg.model)).to(device), cfg, ctx, precision)
         opt = build_optimizer(model, tc)
         gen = torch.Generator().manual_seed(tc.seed)
-        log = telemetry.RunLogger(tc.out_dir, ctx.rank if ctx else 0, cfg.name, tc.progress, list(tc.loggers))
+        config = to_dict(cfg)
+        log = telemetry.RunLogger(tc.out_dir, ctx.rank if ctx else 0, cfg.name, tc.progress, list(tc.loggers), config)
         start, elapsed = 0, 0.0
         if resume_from is not None:
             # The newest checkpoint that passes its checks (older ones kept by keep_checkpoints
@@ -178,12 +179,12 @@ class Run:
             f"{cfg.name}: device {device}, precision {precision}, {compiled}, {fused} AdamW, {layout}; "
             f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how})"
         )
-        log.write_json("config.json", to_dict(cfg))
+        log.write_json("config.json", config)
         world = ctx.world_size if ctx else 1
         info = {"precision": precision, "world_size": world, "peak_flops_per_rank": peak_flops, "peak_how": peak_how}
         if tc.init_from:  # the checkpoint this run's weights were converted from (resumes keep saying it)
-            source = tc.init_from.removeprefix(HF_PREFIX)
-            info["init_from"] = tc.init_from[: len(tc.init_from) - len(source)] + str(Path(source).resolve())
+            prefix = HF_PREFIX if is_hf(tc.init_from) else ""
+            info["init_from"] = prefix + str(Path(tc.init_from.removeprefix(prefix)).resolve())
         log.write_json("run_info.json", info)
         flops = train_flops_per_step(cfg.model, tc.batch_size)
         objective = LMObjective(model)

@@ -242,28 +242,10 @@ class MoELayer(Routed):
     def from_config(cls, d_model: int, cfg: MoEConfig, d_ff: int, n_noop: int = 0) -> MoELayer:
         """The layer ``cfg`` describes, with per-expert width ``d_ff`` and ``n_noop`` no-op
         experts (only the integrated MoDE block has them)."""
-        return cls(
-            d_model,
-            d_ff,
-            cfg.n_experts,
-            cfg.top_k,
-            mlp=cfg.mlp,
-            backend=cfg.backend,
-            renormalize=cfg.renormalize,
-            jitter=cfg.jitter,
-            capacity_factor=cfg.capacity_factor,
-            drop_policy=cfg.drop_policy,
-            shared_expert=cfg.shared_expert,
-            n_noop=n_noop,
-            noop_share=cfg.noop_share,
-            lb_coef=cfg.lb_coef,
-            lb_scope=cfg.lb_scope,
-            z_coef=cfg.z_coef,
-            bias_rate=cfg.bias_rate,
-            token_moves=cfg.token_moves,
-            shared_d_ff=cfg.shared_d_ff,
-            shared_gate=cfg.shared_gate,
-        )
+        # every option of the config is a constructor keyword of the same name, but the
+        # width (given), the router kind (the class) and n_noop (only integrated blocks)
+        options = {k: v for k, v in vars(cfg).items() if k not in ("n_experts", "top_k", "d_ff", "router", "n_noop")}
+        return cls(d_model, d_ff, cfg.n_experts, cfg.top_k, n_noop=n_noop, **options)
 
     def non_causal_reason(self) -> str | None:
         return None  # token choice: each token picks its experts from its own logits
