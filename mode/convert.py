@@ -54,22 +54,6 @@ from mode.model import MoDETransformer
 
 StateDict = dict[str, torch.Tensor]
 HF_PREFIX = "hf:"
-# the dense model's shape and architecture (mode.layers.arch), kept by every target
-MATCHED = (
-    "vocab_size",
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "tie_embeddings",
-    "rope_base",
-    "norm",
-    "norm_eps",
-    "mlp",
-    "n_kv_heads",
-    "bias",
-    "qkv_bias",
-    "positions",
-)
 
 
 def load_dense(source: str | Path | MoDETransformer | StateDict, config: ModelConfig | None = None):
@@ -109,6 +93,12 @@ def hf_source_config(source: str | Path) -> ModelConfig:
 
 # what a target takes over from a published model: every model field but these
 KEPT_BY_TARGET = ("layout", "mod", "moe", "early_exit", "attention", "seq_len")
+# ... and what a target must share with any dense source (its shape and architecture, from
+# the same field list: a new architecture option is matched without being listed here); the
+# MLP width is compared as ``dense_d_ff()``, however it is written
+MATCHED = tuple(
+    f.name for f in dataclasses.fields(ModelConfig) if f.name not in (*KEPT_BY_TARGET, "d_ff", "mlp_ratio")
+)
 
 
 def with_dense_shape(target: ModelConfig, dense: ModelConfig) -> ModelConfig:

@@ -108,6 +108,7 @@ def test_mod_conversion_starts_with_the_gate_near_one_and_no_positional_preferen
         ("model.n_layers=4", "model.n_layers"),
         ("model.moe.d_ff=48", "model.moe.d_ff"),
         ("model.moe.mlp=swiglu", "model.moe.mlp"),
+        ("model.qk_norm=true", "model.qk_norm"),  # an MoE block would keep fresh norms in silence
     ],
 )
 def test_a_target_that_does_not_fit_names_the_field(dense_ckpt, override, field):
