@@ -96,9 +96,7 @@ KEPT_BY_TARGET = ("layout", "mod", "moe", "early_exit", "attention", "seq_len")
 # ... and what a target must share with any dense source (its shape and architecture, from
 # the same field list: a new architecture option is matched without being listed here); the
 # MLP width is compared as ``dense_d_ff()``, however it is written
-MATCHED = tuple(
-    f.name for f in dataclasses.fields(ModelConfig) if f.name not in (*KEPT_BY_TARGET, "d_ff", "mlp_ratio")
-)
+MATCHED = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in (*KEPT_BY_TARGET, "d_ff", "mlp_ratio"))
 
 
 def with_dense_shape(target: ModelConfig, dense: ModelConfig) -> ModelConfig:

@@ -443,6 +443,8 @@ def hf_family(cfg: ModelConfig) -> str:
         )
     if gpt2 and (cfg.n_kv_heads not in (0, cfg.n_heads) or not cfg.tie_embeddings):
         problems.append("GPT-2 has one key/value head per query head and a tied head")
+    if cfg.early_exit.enabled:
+        problems.append("model.early_exit.enabled=true: an exited token skips later blocks that transformers runs")
     if cfg.qk_norm and "moe" not in kinds:
         problems.append("model.qk_norm=true: of the families only OLMoE (an MoE) normalizes queries and keys")
     if "moe" in kinds:

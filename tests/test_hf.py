@@ -203,6 +203,10 @@ def test_a_checkpoint_with_an_unknown_tensor_is_refused_by_key(tmp_path):
             "model.moe.mlp='gelu'",
         ),
         (["model.layout=moe", "model.norm=rmsnorm", "model.mlp=swiglu", "model.moe.top_k=1"], "model.moe.top_k=1"),
+        (
+            ["model.layout=dense", "model.norm=rmsnorm", "model.mlp=swiglu", "model.early_exit.enabled=true"],
+            "model.early_exit.enabled=true",
+        ),
     ],
 )
 def test_native_export_refuses_what_no_family_holds_before_writing(overrides, named, tmp_path):
