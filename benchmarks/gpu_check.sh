@@ -5,7 +5,9 @@
 #   2. bench_kernels.py, bench_moe.py, bench_blocks.py in bf16;
 #   3. bench_train.py at two shapes (8 layers d 1024; GPT-2 small with its 50304 vocabulary),
 #      eager and compiled, and profile_step.py (syncs, kernels, busy share) at the first;
-#   4. gpu_verdicts.py: every target of the GPU-step issue with its verdict (verdicts.json).
+#   4. step_launches.py --cuda: the kernels of one compiled step per preset by the CUDA
+#      profiler, to set beside the CPU proxy's count (results/launches.json);
+#   5. gpu_verdicts.py: every target of the GPU-step issue with its verdict (verdicts.json).
 # Every JSON (and each step's log) goes under $OUT (default benchmarks/results/gpu/).
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repository root
@@ -33,7 +35,8 @@ if [ "${1:-}" = "--cpu-try" ]; then
   GPT2_ARGS="--device cpu --modes bf16_eager --presets dense nanogpt --batch 2 --seq 64 --layers 2 --d-model 64"
   GPT2_ARGS="$GPT2_ARGS --n-heads 2 --vocab 512 --repeats 2 --warmup 1"
   PROFILE_ARGS="--device cpu --presets dense mod --batch 2 --seq 64 --layers 2 --d-model 64 --n-heads 2"
-  LIMITS=(300 300 300 300 300 300 300)
+  LAUNCH_ARGS="--presets dense mod --layers 2 --d-model 64"
+  LIMITS=(300 300 300 300 300 300 300 600)
 else
   DEVICE=cuda
   KERNELS_ARGS="--device cuda --repeats 7"
@@ -45,7 +48,8 @@ else
   GPT2_ARGS="$GPT2_ARGS --gpt2-small --vocab 50304 --repeats 5"
   PROFILE_ARGS="--device cuda --presets dense nanogpt mod moe --batch 16 --seq 1024 --layers 8 --d-model 1024"
   PROFILE_ARGS="$PROFILE_ARGS --n-heads 16 --steps 3 --warmup 2 --top 6"
-  LIMITS=(30 25 40 25 100 100 40)  # seconds per step: 360 in all, the 6-minute budget
+  LAUNCH_ARGS="--cuda --label cuda"
+  LIMITS=(30 25 40 25 90 85 35 30)  # seconds per step: 360 in all, the 6-minute budget
 fi
 
 status=0
@@ -82,6 +86,7 @@ step bench-blocks "${LIMITS[3]}" "$PY" -m benchmarks.bench_blocks --dtype bfloat
 step bench-train "${LIMITS[4]}" "$PY" -m benchmarks.bench_train $TRAIN_ARGS --label d1024
 step bench-train-gpt2 "${LIMITS[5]}" "$PY" -m benchmarks.bench_train $GPT2_ARGS --label gpt2-small
 step profile "${LIMITS[6]}" "$PY" -m benchmarks.profile_step $PROFILE_ARGS
+step launches "${LIMITS[7]}" "$PY" -m benchmarks.step_launches $LAUNCH_ARGS
 "$PY" -m benchmarks.gpu_verdicts "$OUT" >"$OUT/verdicts.txt" 2>&1 || status=1
 cat "$OUT/verdicts.txt"
 echo "results in $OUT:"

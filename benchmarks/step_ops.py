@@ -9,8 +9,9 @@ of device values, data-dependent shapes) with the Python line of each, beside na
 
 The step is ``mode.step.train_step`` after one warm-up step (optimizer state exists), with
 the expert backend a CUDA run resolves to (``torch`` grouped_mm: the CPU's ``auto`` would
-pick the CPU-only ``chunked`` loop for large batches). Bounds (``BOUNDS``) are the targets of
-the GPU-step issue, held by ``tests/test_step_ops.py``. Writes ``results/ops[-label].json``.
+pick the CPU-only ``chunked`` loop for large batches). ``BOUNDS`` are held by
+``tests/test_step_ops.py``; the compiled step's launches are ``step_launches.py``'s. Writes
+``results/ops[-label].json``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from mode.precision import autocast
 from mode.step import build_optimizer, train_step
 
 PRESETS = ["dense", "mod", "mod_random", "moe", "moe_capacity", "mode_staged", "mode_integrated", "early_exit"]
-# ratio name -> (numerator, denominator, bound): ops per step, side by side.
+# ratio name -> (numerator, denominator, bound or None): eager ops per step, side by side.
+# The routed presets' ratios are reported, not bounded: in eager mode a routed block runs a
+# dense block's ops on fewer tokens plus its routing's; the launch targets are the compiled
+# step's (``step_launches.py``).
 BOUNDS = {
     "dense/nanogpt": ("dense", "nanogpt", 1.25),
-    "mod/dense": ("mod", "dense", 1.0),
-    "moe/dense": ("moe", "dense", 1.3),
+    "mod/dense": ("mod", "dense", None),
+    "moe/dense": ("moe", "dense", None),
 }
 
 
@@ -114,11 +118,20 @@ def main() -> None:
     for name, (num, den, bound) in BOUNDS.items():
         if num in counts and den in counts:
             value = counts[num].total / counts[den].total
-            ratios.append({"ratio": name, "value": value, "bound": bound, "meets": value <= bound})
+            meets = None if bound is None else value <= bound
+            ratios.append({"ratio": name, "value": value, "bound": bound, "meets": meets})
     print()
+    shown = [
+        {
+            **r,
+            "bound": "-" if r["bound"] is None else f"{r['bound']:.2f}",
+            "meets": "-" if r["meets"] is None else r["meets"],
+        }
+        for r in ratios
+    ]
     print_table(
-        ratios,
-        [("ratio", "ops ratio", "s"), ("value", "value", ".3f"), ("bound", "bound", ".2f"), ("meets", "meets", "")],
+        shown,
+        [("ratio", "ops ratio", "s"), ("value", "value", ".3f"), ("bound", "bound", "s"), ("meets", "meets", "")],
     )
     for p, c in counts.items():
         for site, n in c.sync_sites().items():

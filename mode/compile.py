@@ -6,8 +6,13 @@ one graph that the others reuse.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import nn
+
+F = TypeVar("F", bound=Callable)
 
 
 def compile_enabled(setting: str | bool, device: torch.device) -> bool:
@@ -33,6 +38,27 @@ def compile_block(block: nn.Module, fullgraph: bool = False, backend: str = "ind
 
 
 def compile_blocks(model: nn.Module, fullgraph: bool = False, backend: str = "inductor") -> None:
-    """Compile every block of ``model.blocks`` in place (``compile_block``)."""
+    """Compile every block of ``model.blocks`` in place (``compile_block``), and mark the model
+    so that the small pieces of its step outside the blocks (the token-id check, the step's
+    finite test, the routing state's after-optimizer updates: ``compiled_piece``) run compiled
+    with the same backend: on a GPU each is then one or two kernels instead of a dozen."""
     for block in model.blocks:
         compile_block(block, fullgraph, backend)
+    model.compile_backend = backend
+
+
+_PIECES: dict[tuple[Callable, str], Callable] = {}
+
+
+def compiled_piece(fn: F, model: nn.Module) -> F:
+    """``fn`` compiled whole (``fullgraph``) with the backend ``compile_blocks`` gave ``model``,
+    or ``fn`` itself when the model is not compiled. One compiled function per (fn, backend),
+    shared by every model: its guards tell models and shapes apart."""
+    backend = getattr(model, "compile_backend", None)
+    if backend is None:
+        return fn
+    key = (fn, backend)
+    if key not in _PIECES:
+        options = COMPILE_OPTIONS if backend == "inductor" else None
+        _PIECES[key] = torch.compile(fn, fullgraph=True, backend=backend, options=options)
+    return _PIECES[key]

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mode.checks import check_int, check_number, fail
+from mode.compile import compiled_piece
 from mode.config import ModelConfig
 from mode.layers.arch import make_norm
-from mode.layers.attention import CausalSelfAttention
+from mode.layers.attention import CausalSelfAttention, prepare_rope
 from mode.layers.blocks import check_routing
 from mode.layers.early_exit import EarlyExit
 from mode.layers.kinds import build_block
@@ -22,6 +23,37 @@ from mode.layers.kv_cache import KVCache
 from mode.routed import check_causal, non_causal_layers
 
 __all__ = ["MoDETransformer", "build_block", "sample_next"]
+
+
+IGNORE_INDEX = -100  # targets the loss leaves out (F.cross_entropy's default)
+
+
+def check_id_tensor(idx: object, name: str, shape: torch.Size | None = None) -> None:
+    """``TypeError``/``ValueError`` unless ``idx`` is a non-empty [B, T] integer tensor (of
+    ``shape`` when given); the values are ``assert_ids_in_range``'s."""
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(idx).__name__}")
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got {idx.dtype}: pass idx.long()")
+    if idx.dim() != 2:
+        raise ValueError(f"{name} has shape {tuple(idx.shape)}: expected [batch, seq] (unsqueeze(0) one sequence)")
+    if shape is not None and idx.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(idx.shape)}: expected the inputs' shape {tuple(shape)}")
+    if idx.numel() == 0:
+        raise ValueError(f"{name} has shape {tuple(idx.shape)}: the batch and the sequence must be non-empty")
+
+
+def assert_ids_in_range(idx: torch.Tensor, targets: torch.Tensor | None, vocab_size: int) -> None:
+    """Assert on the device, with no host read, that idx [B, T] holds ids in [0, vocab_size)
+    and targets [B, T] (optional) ids in [IGNORE_INDEX, vocab_size): on a GPU a bad id stops
+    the step with a device-side assert (as the embedding would); on the CPU it raises
+    ``RuntimeError`` here. A negative target above the ignore index still fails in the loss."""
+    lo, hi = torch.aminmax(idx)
+    ok = (lo >= 0) & (hi < vocab_size)
+    if targets is not None:
+        t_lo, t_hi = torch.aminmax(targets)
+        ok = ok & (t_lo >= IGNORE_INDEX) & (t_hi < vocab_size)
+    torch._assert_async(ok, f"token ids outside [0, model.vocab_size={vocab_size})")
 
 
 class MoDETransformer(nn.Module):
@@ -89,13 +121,13 @@ class MoDETransformer(nn.Module):
         Sequences longer than ``seq_len`` run with RoPE (computed per position) but are
         extrapolation: the model was trained on ``seq_len``; learned positions end there.
         """
-        self.check_ids(idx)
-        if targets is not None:
-            self.check_ids(targets, "targets", shape=idx.shape, ignore_index=-100)
+        self.check_ids(idx, targets=targets)
         check_routing(routing)
         if routing == "causal" or caches is not None:
             check_causal(self, "routing='causal'" if caches is None else "a KV cache")
         positions = None  # 0..T-1 in every block (RoPE rows from one cached table)
+        if self.cfg.positions == "rope":
+            prepare_rope(idx.shape[1], self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_base, idx.device)
         x = self.embed(idx)
         if self.early_exit is None:
             for i, block in enumerate(self.blocks):
@@ -159,33 +191,28 @@ class MoDETransformer(nn.Module):
             ee.record_compute(shares)
         return x
 
-    def check_ids(
-        self, idx: object, name: str = "idx", shape: torch.Size | None = None, ignore_index: int | None = None
-    ) -> None:
+    def check_ids(self, idx: object, name: str = "idx", targets: object = None) -> None:
         """``ValueError``/``TypeError`` unless ``idx`` is a non-empty [B, T] integer tensor of
-        ids in [0, vocab_size) (``ignore_index`` also allowed), of ``shape`` when given."""
+        ids in [0, vocab_size), and ``targets`` (when given) one of idx's shape whose ids are in
+        [0, vocab_size) or the loss's ignore index -100 and above. The values are checked on
+        the device in one assert for both (compiled with the blocks: ``compiled_piece``)."""
+        check_id_tensor(idx, name)
+        if targets is not None:
+            check_id_tensor(targets, "targets", shape=idx.shape)
         V = self.cfg.vocab_size
-        if not isinstance(idx, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(idx).__name__}")
-        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integer token ids, got {idx.dtype}: pass idx.long()")
-        if idx.dim() != 2:
-            raise ValueError(f"{name} has shape {tuple(idx.shape)}: expected [batch, seq] (unsqueeze(0) one sequence)")
-        if shape is not None and idx.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(idx.shape)}: expected the inputs' shape {tuple(shape)}")
-        if idx.numel() == 0:
-            raise ValueError(f"{name} has shape {tuple(idx.shape)}: the batch and the sequence must be non-empty")
-        # NOTE: no host read: on a GPU a bad id stops the step with a device-side assert (as the
-        # embedding would); on the CPU the assert raises here and the message names the id.
-        # ``ignore_index`` (negative) widens the lower bound; a negative target above it still
-        # fails in the loss.
-        lowest = min(0, ignore_index) if ignore_index is not None else 0
-        lo, hi = torch.aminmax(idx)
         try:
-            torch._assert_async((lo >= lowest) & (hi < V), f"{name} holds token ids outside [0, model.vocab_size={V})")
+            compiled_piece(assert_ids_in_range, self)(idx, targets, V)
         except RuntimeError as e:
-            bad = int(lo) if lo < lowest else int(hi)
-            raise ValueError(f"{name} holds token id {bad}: ids must be in [0, model.vocab_size={V})") from e
+            for tensor, tensor_name, lowest in ((idx, name, 0), (targets, "targets", IGNORE_INDEX)):
+                if tensor is None:
+                    continue
+                lo, hi = torch.aminmax(tensor)
+                if lo < lowest or hi >= V:
+                    bad = int(lo) if lo < lowest else int(hi)
+                    raise ValueError(
+                        f"{tensor_name} holds token id {bad}: ids must be in [0, model.vocab_size={V})"
+                    ) from e
+            raise
 
     def new_caches(self, batch: int) -> list[KVCache]:
         """One empty KV cache per block, for ``forward(..., routing="causal", caches=...)`` + ``decode``."""

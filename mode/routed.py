@@ -75,8 +75,11 @@ _metrics_enabled = True
 
 
 def measuring() -> bool:
-    """Whether routed modules compute their metrics in this forward (``metrics_scope``)."""
-    return _metrics_enabled
+    """Whether routed modules compute their metrics in this forward (``metrics_scope``).
+    Always under ``torch.compile``: the flag would be a guard, and a compiled block would
+    recompile on the first step that logs; in the graph the metrics are a few fused kernels
+    (``benchmarks/step_launches.py --metrics`` counts them) and read nothing on the host."""
+    return torch.compiler.is_compiling() or _metrics_enabled
 
 
 @contextlib.contextmanager

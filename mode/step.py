@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from mode.compile import compiled_piece
 from mode.config import TrainConfig
 from mode.model import MoDETransformer
 from mode.parallel.fsdp import clip_grad_norm, scale_expert_grads, set_gradient_sync
@@ -92,6 +93,20 @@ class NonFiniteTrainingError(RuntimeError):
     """``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient."""
 
 
+def finite_step(loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """1.0 where the step's loss, auxiliary loss and gradient norm (0-dim each) are all
+    finite, else 0.0: one test for all three, as a sum of finite float32 values is finite
+    (short of 3e38)."""
+    return torch.isfinite(loss + aux + grad_norm).float()
+
+
+def step_flags(finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``finite_step``'s flag (after the ranks agreed) -> (ok, skipped) bools and the fused
+    optimizer's ``found_inf`` (1.0 skips the update), all 0-dim on the device."""
+    ok = finite.bool()
+    return ok, ~ok, 1.0 - finite
+
+
 def _skips_on_device(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt.step()`` honours a ``found_inf`` tensor (fused Adam/AdamW/SGD: the kernel
     leaves weights, moments and step count as they were where it is 1)."""
@@ -150,13 +165,12 @@ def train_step(
     if ctx is not None:
         scale_expert_grads(model, ctx)
     grad_norm = clip_grad_norm(model, grad_clip or math.inf, ctx)
-    # NOTE: one test for all three: a sum of finite float32 values is finite (short of 3e38).
-    finite = torch.isfinite(loss + aux + grad_norm).float()
+    finite = compiled_piece(finite_step, model)(loss, aux, grad_norm)
     if ctx is not None:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips the same steps
-    ok = finite.bool()
+    ok, skipped, found_inf = compiled_piece(step_flags, model)(finite)
     if _skips_on_device(opt):
-        opt.found_inf = 1.0 - finite  # the fused kernel skips the whole update where it is 1
+        opt.found_inf = found_inf  # the fused kernel skips the whole update where it is 1
         try:
             opt.step()
         finally:
@@ -166,5 +180,5 @@ def train_step(
     opt.zero_grad(set_to_none=True)
     if ctx is not None:
         sum_over_ranks(step_records(model))  # every replica moves its routing state alike
-    after_optimizer_step(model, apply=ok)
-    return StepResult(loss, aux, grad_norm, ~ok)
+    compiled_piece(after_optimizer_step, model)(model, ok)
+    return StepResult(loss, aux, grad_norm, skipped)

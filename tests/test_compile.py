@@ -117,3 +117,58 @@ def test_train_compile_flag_trains(tmp_path):
     assert all(b._compiled_call_impl is not None for b in model.blocks)  # nn.Module.compile in place
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
+
+
+# The steps of the issue's recompile check: the first step (a logging one, as the training
+# loop's), then 2 logging and 3 non-logging steps, interleaved.
+LOGGED_STEPS = [True, True, False, False, True, False]
+
+
+@pytest.mark.parametrize(
+    "preset", ["dense", "mod", "mod_random", "moe", "moe_capacity", "mode_staged", "mode_integrated", "early_exit"]
+)
+def test_no_recompile_after_the_first_step(preset):
+    """Every compile happens in the first step: the routing-metrics flag is no guard (metrics
+    are computed in the graph), and no size or state a later step brings recompiles a block
+    or a compiled step piece. Dynamo's guards decide recompiles before any backend runs, so
+    ``aot_eager`` (no code generation) counts what inductor would."""
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = load_config(preset, [*SMALL, "train.grad_clip=1.0"])
+    torch.manual_seed(0)
+    model = MoDETransformer(cfg.model)
+    compile_blocks(model, fullgraph=True, backend="aot_eager")
+    opt = build_optimizer(model, cfg.train)
+    gen = torch.Generator().manual_seed(0)
+    graphs = []
+    for metrics in LOGGED_STEPS:
+        x, y = (torch.randint(0, cfg.model.vocab_size, (4, 32), generator=gen) for _ in range(2))
+        train_step(model, opt, x, y, cfg.train.grad_clip, metrics=metrics)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0, "nothing was compiled"
+    assert graphs == [graphs[0]] * len(graphs), f"graphs compiled after each step: {graphs}"
+
+
+@pytest.mark.parametrize("preset", ["mod", "mode_staged"])
+def test_causal_evaluation_compiles_whole_once(preset):
+    """An evaluation in causal routing through compiled blocks: no graph break (``fullgraph``
+    raises on one) and one compile per block kind for every batch, whatever each row routes
+    (compiled code packs the routed tokens to the sequence length, a static size); the
+    values are eager's."""
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = load_config(preset, [*SMALL, "model.mod.causal=predictor"])
+    torch.manual_seed(0)
+    eager = MoDETransformer(cfg.model).eval()
+    compiled = copy.deepcopy(eager)
+    compile_blocks(compiled, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(3)
+    graphs = []
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randint(0, cfg.model.vocab_size, (3, 32), generator=gen)
+            want, _ = eager(x, routing="causal")
+            got, _ = compiled(x, routing="causal")
+            assert_close(got, want, "layer_grad")
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs == [graphs[0]] * 3, graphs

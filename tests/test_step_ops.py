@@ -59,20 +59,7 @@ def test_a_training_step_reads_nothing_on_the_host(counts, preset):
     assert counts[preset].syncs == 0, counts[preset].sync_sites()
 
 
-# NOTE: the routed presets' bounds are the GPU-step issue's targets and are missed in eager
-# mode (2026-12-04: mod/dense 1.80, moe/dense 1.55 at this size with metrics off): a routed
-# block launches a dense block's kernels on fewer tokens plus its routing's. Strict: the
-# day they hold, the mark must go.
-MISSED = {"mod/dense", "moe/dense"}
-
-
-@pytest.mark.parametrize(
-    "ratio",
-    [
-        pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="missed target, see MISSED")) if r in MISSED else r
-        for r in BOUNDS
-    ],
-)
+@pytest.mark.parametrize("ratio", [r for r, (_, _, bound) in BOUNDS.items() if bound is not None])
 def test_ops_per_step_within_bounds(counts, ratio):
     num, den, bound = BOUNDS[ratio]
     value = counts[num].total / counts[den].total

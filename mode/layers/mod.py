@@ -281,17 +281,21 @@ class MoDBlock(Routed):
         routed = causal_decisions(self.decision_logits(x, scores))  # [B, T]
         self.metrics["causal_share"] = routed.float().mean()
         counts = routed.sum(dim=1)  # [B]
-        n = int(counts.max()) if B else 0
+        # NOTE: eager mode packs to the longest row (one host read); compiled code packs to T,
+        # a static size: no graph break and one graph for every batch (the padding is masked).
+        n = T if torch.compiler.is_compiling() else (int(counts.max()) if B else 0)
         out = x  # nothing routed: the block does not run and the cache stays empty
         if n:
             # Routed positions first (stable: in position order), then the skipped ones.
             order = torch.sort((~routed).to(torch.uint8), dim=1, stable=True).indices[:, :n]  # [B, n]
-            valid = torch.arange(n, device=x.device) < counts[:, None]  # [B, n]
-            x_sel = x.gather(1, order.unsqueeze(-1).expand(B, n, D)) * valid.unsqueeze(-1).to(x.dtype)
-            delta = self.block.delta(x_sel, positions.gather(1, order), cache=cache, cache_keep=valid)
+            valid = (torch.arange(n, device=x.device) < counts[:, None]).unsqueeze(-1)  # [B, n, 1]
+            index = order.unsqueeze(-1).expand(B, n, D)
+            x_picked = x.gather(1, index)
+            x_sel = x_picked * valid.to(x.dtype)
+            delta = self.block.delta(x_sel, positions.gather(1, order), cache=cache, cache_keep=valid.squeeze(-1))
             g = GATES[self.gate](scores.gather(1, order)).unsqueeze(-1).to(delta.dtype)
-            rows = torch.arange(B, device=x.device).unsqueeze(1).expand(B, n)
-            out = x.index_put((rows[valid], order[valid]), (x_sel + g * delta)[valid])
+            # each row's n picked positions are distinct: padding writes its own value back
+            out = x.scatter(1, index, torch.where(valid, x_sel + g * delta, x_picked))
         if cache is not None and self.predictor is not None:
             cache.record_scores(scores)  # the prefix the predictor's decode continues from
         return out
