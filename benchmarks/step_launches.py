@@ -25,22 +25,17 @@ import sys
 from benchmarks.launch_proxy import LaunchCounter, interpret
 
 CUDA = "--cuda" in sys.argv
+DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA:
     interpret()  # before anything imports Triton
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from benchmarks.common import print_table, write_json  # noqa: E402
-from benchmarks.nanogpt_ref import GPT  # noqa: E402
-from benchmarks.step_ops import overrides  # noqa: E402
-from mode.compile import compile_blocks  # noqa: E402
-from mode.config import load_config  # noqa: E402
-from mode.model import MoDETransformer  # noqa: E402
-from mode.step import build_optimizer, train_step  # noqa: E402
+from benchmarks.step_ops import make_step, step_parser  # noqa: E402
 
 PRESETS = ["dense", "mod", "mod_random", "moe", "mode_staged", "mode_integrated"]
 # ratio name -> (numerator, denominator, bound): compiled launches per step, side by side.
@@ -67,31 +62,7 @@ def count_compiled_step(
 ) -> LaunchCounter:
     """The launches of one compiled training step of ``preset`` (or "nanogpt") after a
     warm-up step (which compiles and makes the optimizer state)."""
-    cfg = load_config("dense" if preset == "nanogpt" else preset, overrides(layers, d_model, n_heads, seq, batch))
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, cfg.model.vocab_size, (batch, seq), generator=gen) for _ in range(2))
-    device = torch.device("cuda" if CUDA else "cpu")
-    x, y = x.to(device), y.to(device)
-    if preset == "nanogpt":
-        model = GPT(cfg.model.vocab_size, seq, d_model, layers, n_heads).to(device)
-        compile_blocks(model, fullgraph=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
-
-        def step() -> None:
-            _, loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    else:
-        model = MoDETransformer(cfg.model).to(device)
-        compile_blocks(model, fullgraph=True)
-        opt = build_optimizer(model, cfg.train)
-
-        def step() -> None:
-            train_step(model, opt, x, y, cfg.train.grad_clip, metrics=metrics)
-
+    step = make_step(preset, layers, d_model, n_heads, seq, batch, metrics=metrics, compiled=True, device=DEVICE)
     step()
     if CUDA:
         step()
@@ -122,14 +93,7 @@ class CudaKernels(LaunchCounter):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--n-heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--metrics", action="store_true", help="count a logging step (routing metrics on)")
+    parser = step_parser(__doc__, PRESETS, d_model=128, seq=32, batch=2)
     parser.add_argument("--top", type=int, default=12, help="eager ops listed per preset")
     parser.add_argument("--label", default=None)
     parser.add_argument("--cuda", action="store_true", help="count CUDA kernels with the profiler (on a GPU)")

@@ -17,11 +17,13 @@ pick the CPU-only ``chunked`` loop for large batches). ``BOUNDS`` are held by
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
 from benchmarks.common import print_table, write_json
 from benchmarks.nanogpt_ref import GPT
+from mode.compile import compile_blocks
 from mode.config import load_config
 from mode.model import MoDETransformer
 from mode.opcount import OpCounter
@@ -52,6 +54,48 @@ def overrides(layers: int, d_model: int, n_heads: int, seq: int, batch: int) -> 
     ]
 
 
+def make_step(
+    preset: str,
+    layers: int = 4,
+    d_model: int = 64,
+    n_heads: int = 4,
+    seq: int = 64,
+    batch: int = 4,
+    precision: str = "fp32",
+    metrics: bool = False,
+    compiled: bool = False,
+    device: str = "cpu",
+) -> Callable[[], None]:
+    """One training step of ``preset`` (or "nanogpt": ``nanogpt_ref.GPT``, fused AdamW,
+    clipping) on a fixed batch, as a function; ``compiled``: every block compiled as
+    ``train.compile=true`` does (``fullgraph``). A step the training loop does not log
+    (``metrics=False``) unless asked."""
+    cfg = load_config("dense" if preset == "nanogpt" else preset, overrides(layers, d_model, n_heads, seq, batch))
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, cfg.model.vocab_size, (batch, seq), generator=gen).to(device) for _ in range(2))
+    if preset == "nanogpt":
+        model = GPT(cfg.model.vocab_size, seq, d_model, layers, n_heads).to(device)
+        if compiled:
+            compile_blocks(model, fullgraph=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
+
+        def step() -> None:
+            with autocast(precision, x.device):
+                _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+    model = MoDETransformer(cfg.model).to(device)
+    if compiled:
+        compile_blocks(model, fullgraph=True)
+    opt = build_optimizer(model, cfg.train)
+    return lambda: train_step(model, opt, x, y, cfg.train.grad_clip, precision=precision, metrics=metrics)
+
+
 def count_step(
     preset: str,
     layers: int = 4,
@@ -62,46 +106,30 @@ def count_step(
     precision: str = "fp32",
     metrics: bool = False,
 ) -> OpCounter:
-    """The ops of one training step of ``preset`` (or "nanogpt") after a warm-up step; a step
-    the training loop does not log (``metrics=False``) unless asked."""
-    cfg = load_config("dense" if preset == "nanogpt" else preset, overrides(layers, d_model, n_heads, seq, batch))
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, cfg.model.vocab_size, (batch, seq), generator=gen) for _ in range(2))
-    if preset == "nanogpt":
-        model = GPT(cfg.model.vocab_size, seq, d_model, layers, n_heads)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
-
-        def step() -> None:
-            with autocast(precision, x.device):
-                _, loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    else:
-        model = MoDETransformer(cfg.model)
-        opt = build_optimizer(model, cfg.train)
-
-        def step() -> None:
-            train_step(model, opt, x, y, cfg.train.grad_clip, precision=precision, metrics=metrics)
-
+    """The ops of one eager training step of ``preset`` (``make_step``) after a warm-up step."""
+    step = make_step(preset, layers, d_model, n_heads, seq, batch, precision, metrics)
     step()
     with OpCounter() as ops:
         step()
     return ops
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
+def step_parser(doc: str, presets: list[str], d_model: int, seq: int, batch: int) -> argparse.ArgumentParser:
+    """The options of a one-step count: presets, the shape (4 layers, 4 heads), ``--metrics``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="+", default=presets, choices=presets)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=d_model)
     parser.add_argument("--n-heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--metrics", action="store_true", help="count a logging step (routing metrics on)")
+    return parser
+
+
+def main() -> None:
+    parser = step_parser(__doc__, PRESETS, d_model=64, seq=64, batch=4)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--top", type=int, default=8, help="ops listed per preset")
     parser.add_argument("--label", default=None)
     args = parser.parse_args()
