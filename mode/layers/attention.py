@@ -209,9 +209,16 @@ class CausalSelfAttention(nn.Module):
             projected = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         qkv = projected.view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
         qk, v = qkv.split((H + Hkv, Hkv), dim=1)
-        if self.use_rope:
-            qk = apply_rope(qk, *self.rope(positions, T, length))
-        q, k = qk.split((H, Hkv), dim=1)
+        if not self.use_rope:
+            q, k = qk.split((H, Hkv), dim=1)
+            return q, k, v
+        c, s = self.rope(positions, T, length)
+        if torch.compiler.is_compiling():
+            # NOTE: compiled, one rotation per output lets each be written where attention
+            # reads it (one kernel each); one rotation of both would be a third buffer to split.
+            q, k = qk.split((H, Hkv), dim=1)
+            return apply_rope(q, c, s), apply_rope(k, c, s), v
+        q, k = apply_rope(qk, c, s).split((H, Hkv), dim=1)  # eager: one rotation of both
         return q, k, v
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
