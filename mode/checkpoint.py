@@ -47,9 +47,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
 from mode.config import Config, from_dict, to_dict
+from mode.dcp_reader import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from mode.parallel.expert_parallel import expert_parameters
 from mode.parallel.mesh import ParallelContext
 
@@ -61,6 +63,11 @@ FORMAT_VERSION = 1
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be loaded safely: not a checkpoint, cut short, written
     by a newer mode-moe, or holding objects whose unpickling could run code."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint whose bytes are not what was written: cut short, a flipped byte, a file of
+    it missing. Resuming moves such a checkpoint aside (``<name>.corrupt``) and says so."""
 
 
 class CheckpointWriteError(OSError):
@@ -84,7 +91,7 @@ def read_file(path: str | Path, trust_file: bool = False, mmap: bool = False) ->
         ) from e
     except Exception as e:  # noqa: BLE001  (zip reader, unpickler: each fails its own way on a bad file)
         size = path.stat().st_size
-        raise CheckpointError(
+        raise CheckpointDamagedError(
             f"{path} ({size} bytes) is not a readable checkpoint: cut short or corrupted? ({e})"
         ) from e
     if not isinstance(state, dict):
@@ -98,7 +105,7 @@ def read_file(path: str | Path, trust_file: bool = False, mmap: bool = False) ->
     if "digest" in state and not mmap:
         expected = state.pop("digest")
         if _digest(state) != expected:
-            raise CheckpointError(f"{path} fails its checksum: its bytes changed after it was written (corrupted)")
+            raise CheckpointDamagedError(f"{path} fails its checksum: its bytes changed after it was written")
     return state
 
 
@@ -140,23 +147,35 @@ def _write_checksums(directory: Path) -> None:
     (directory / "checksums.json").write_text(json.dumps(sums, indent=1))
 
 
-def verify_directory(directory: str | Path) -> None:
-    """``CheckpointError`` naming the first file of a DCP checkpoint directory whose size or
-    CRC-32 differs from ``checksums.json`` (or that is missing); directories written before
-    checksums were recorded pass."""
+def verify_directory(directory: str | Path, trust_file: bool = False) -> None:
+    """``CheckpointDamagedError`` naming the first file of a DCP checkpoint directory whose
+    size or CRC-32 differs from ``checksums.json`` (or that is missing). A directory without
+    ``checksums.json`` (every one ``save`` writes has it) is refused unless ``trust_file``."""
     directory = Path(directory)
     listing = directory / "checksums.json"
-    if not listing.exists():
-        return
-    for name, want in json.loads(listing.read_text()).items():
+    if not listing.is_file():
+        if trust_file:
+            return
+        raise CheckpointError(
+            f"{directory} has no checksums.json, so it was not written by mode-moe's save (or lost a file): "
+            "not loaded. If you trust where the directory came from, pass trust_file=True"
+        )
+    try:
+        sums = json.loads(listing.read_text(encoding="utf-8"))
+        wanted = [(str(name), int(want["bytes"]), int(want["crc32"])) for name, want in sums.items()]
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
+        raise CheckpointDamagedError(f"{listing} is not a checksum listing ({_first_line(e)})") from e
+    for name, size_written, crc_written in wanted:
         f = directory / name
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{listing} names {name!r}, which is not a file name in {directory}")
         if not f.is_file():
-            raise CheckpointError(f"{directory}: {name} is missing")
+            raise CheckpointDamagedError(f"{directory}: {name} is missing")
         size = f.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"{f} has {size} bytes, {want['bytes']} when written: cut short or corrupted")
-        if _file_crc(f) != want["crc32"]:
-            raise CheckpointError(f"{f} fails its checksum: its bytes changed after it was written (corrupted)")
+        if size != size_written:
+            raise CheckpointDamagedError(f"{f} has {size} bytes, {size_written} when written: cut short or corrupted")
+        if _file_crc(f) != crc_written:
+            raise CheckpointDamagedError(f"{f} fails its checksum: its bytes changed after it was written (corrupted)")
 
 
 class Progress(NamedTuple):
@@ -235,7 +254,7 @@ def load(
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     if path.is_dir():
-        verify_directory(path)
+        verify_directory(path, trust_file)
         return _restore(load_sharded(path, model, ctx, optimizer, trust_file), data_rng)
     state = read_file(path, trust_file)
     model.load_state_dict(state["model"])
@@ -391,7 +410,32 @@ def load_sharded(
     path = Path(path)
     extra = path / "extra.pt"
     state = read_file(extra, trust_file) if extra.exists() else {}
-    dcp.load(_dcp_state(model, optimizer, ctx), checkpoint_id=str(path))
+    if trust_file:
+        dcp.load(_dcp_state(model, optimizer, ctx), checkpoint_id=str(path))
+        return state
+    try:
+        metadata = read_metadata(path)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path / '.metadata'} could run code when read ({_first_line(e)}), so it was not loaded. "
+            "If you trust where the directory came from, pass trust_file=True"
+        ) from e
+    except Exception as e:  # noqa: BLE001  (the unpickler fails its own way on a damaged file)
+        raise CheckpointDamagedError(f"{path / '.metadata'} is not readable DCP metadata: {_first_line(e)}") from e
+    del metadata  # checked; the reader reads it again the same way
+    try:
+        dcp.load(
+            _dcp_state(model, optimizer, ctx), storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner()
+        )
+    except CheckpointException as e:
+        rank, (cause, _) = next(iter(e.failures.items()))
+        if isinstance(cause, pickle.UnpicklingError):
+            raise CheckpointError(
+                f"{path} holds an entry whose unpickling could run code (rank {rank}: {_first_line(cause)}), so it "
+                "was not loaded. If you trust where the directory came from, pass trust_file=True"
+            ) from None
+        why = f"rank {rank}: {type(cause).__name__}: {_first_line(cause)}"
+        raise CheckpointError(f"{path} could not be loaded ({why})") from None
     return state
 
 
