@@ -40,6 +40,7 @@ import os
 import pickle
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -194,11 +195,16 @@ def save(
     data_rng: torch.Generator | None = None,
     ctx: ParallelContext | None = None,
     keep: int = 1,
+    warn: Callable[[str], None] = print,
 ) -> None:
     """Save model, optimizer, progress, RNG states and config atomically: one file when
     ``ctx`` is None, else a DCP directory written by every rank of ``ctx``. With ``keep`` > 1
     the checkpoint it replaces stays as ``<path>.step<N>`` and the ``keep - 1`` newest of those
-    are kept."""
+    are kept.
+
+    Saving never depends on an old checkpoint being readable: one whose step cannot be read
+    is moved aside as ``<name>.corrupt`` (said through ``warn``), and a history name already
+    taken (a save killed half way) is replaced."""
     progress = progress or Progress(0)
     extra = {
         "format_version": FORMAT_VERSION,
@@ -210,7 +216,7 @@ def save(
     if cfg is not None:
         extra["config"] = to_dict(cfg)
     if ctx is not None:
-        save_sharded(path, model, ctx, extra, optimizer, keep)
+        save_sharded(path, model, ctx, extra, optimizer, keep, warn)
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,7 +224,8 @@ def save(
     state["digest"] = _digest(state)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)  # a killed save's leftover (or a link planted there: never followed)
+        with open(tmp, "xb") as f:  # created exclusively: never written through a link
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
@@ -230,7 +237,7 @@ def save(
             f"could not write the checkpoint {path}: {_first_line(e)} ({free} bytes free on its filesystem); {good}"
         ) from e
     if keep > 1 and path.exists():
-        os.link(path, _history_name(path))  # the old file stays reachable under its step
+        _keep_in_history(path, warn)  # the old file stays reachable under its step
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     _prune_history(path, keep)
@@ -366,9 +373,10 @@ def save_sharded(
     extra: dict | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     keep: int = 1,
+    warn: Callable[[str], None] = print,
 ) -> None:
     """Save the model and optimizer state (sharded) and ``extra`` (rank 0) atomically
-    (``keep``: see ``save``)."""
+    (``keep``, ``warn``: see ``save``)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -386,10 +394,16 @@ def save_sharded(
                 os.fsync(handle.fileno())
         # The last good checkpoint is moved aside (kept under its step when keep > 1), never
         # deleted before the new one is in place: a kill between the two renames leaves it.
-        old = None
-        if path.exists():
-            old = _history_name(path) if keep > 1 else path.with_name(path.name + ".old")
+        old = path.with_name(path.name + ".old")
+        if path.exists() and old.exists():
+            shutil.rmtree(old)  # a killed save's leftover: path is the newer, complete one
+        if path.exists() and keep > 1:
+            old = _history_name(path, warn)
+        if path.exists():  # (still: _history_name moves an unreadable one aside)
+            _make_room(old)
             path.replace(old)
+        else:
+            old = None
         tmp.replace(path)
         _fsync_dir(path.parent)
         if old is not None and keep == 1:
@@ -456,9 +470,16 @@ def load_newest_good(
         candidates.append(first)
     candidates += [p for p in reversed(_history(Path(path))) if p not in candidates]
     errors = []
+    rank = dist.get_rank() if dist.is_initialized() else 0
     for candidate in candidates:
         try:
             return candidate, load(candidate, model, optimizer, data_rng, ctx)
+        except CheckpointDamagedError as e:
+            errors.append(str(e))
+            _barrier()  # every rank has tried it before rank 0 moves it
+            if rank == 0 and candidate.exists():
+                warn(f"checkpoint {candidate} skipped: {e}; moved aside to {move_aside(candidate).name}")
+            _barrier()
         except CheckpointError as e:
             errors.append(str(e))
             warn(f"checkpoint {candidate} skipped: {e}")
@@ -493,8 +514,46 @@ def _progress_state(path: Path, trust_file: bool = False) -> dict:
     return read_file(file, trust_file, mmap=True)
 
 
-def _history_name(path: Path) -> Path:
-    return path.with_name(f"{path.name}.step{int(_progress_state(path)['step'])}")
+def _history_name(path: Path, warn: Callable[[str], None] = print) -> Path:
+    """``<path>.step<N>``, N the step of the checkpoint at ``path``; when that cannot be read,
+    the checkpoint is moved aside (``move_aside``) and its name is free again: ``path``."""
+    try:
+        return path.with_name(f"{path.name}.step{int(_progress_state(path)['step'])}")
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
+        aside = move_aside(path)
+        warn(f"checkpoint {path} is unreadable ({_first_line(e)}): moved aside to {aside.name}")
+        return path
+
+
+def _keep_in_history(path: Path, warn: Callable[[str], None]) -> None:
+    """Hard-link the file checkpoint at ``path`` as ``<path>.step<N>``, atomically replacing
+    a file of that name (left by a save killed between its link and its rename)."""
+    target = _history_name(path, warn)
+    if target == path or (target.exists() and os.path.samefile(path, target)):
+        return  # moved aside, or already kept
+    for leftover in path.parent.glob(path.name + ".link*"):  # of saves killed at this point
+        leftover.unlink()
+    link = path.with_name(f"{path.name}.link{os.getpid()}")
+    os.link(path, link)
+    _make_room(target)
+    os.replace(link, target)
+
+
+def _make_room(target: Path) -> None:
+    """Remove a directory at ``target`` (a rename cannot replace a non-empty one)."""
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to ``<name>.corrupt`` (``.corrupt1``, ... when taken);
+    returns the new name. Nothing is deleted."""
+    for i in range(1000):
+        aside = path.with_name(f"{path.name}.corrupt{i or ''}")
+        if not aside.exists() and not aside.is_symlink():
+            path.rename(aside)
+            return aside
+    raise CheckpointWriteError(f"{path}: 1000 .corrupt copies beside it already; remove them")
 
 
 def _history(path: Path) -> list[Path]:

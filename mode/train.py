@@ -268,7 +268,9 @@ class Run:
     def save(self, step: int, elapsed: float) -> None:
         tc = self.cfg.train
         progress = checkpoint.Progress(step, elapsed)
-        checkpoint.save(self.ckpt, self.model, self.opt, progress, self.cfg, self.gen, self.ctx, tc.keep_checkpoints)
+        checkpoint.save(
+            self.ckpt, self.model, self.opt, progress, self.cfg, self.gen, self.ctx, tc.keep_checkpoints, self.log.warn
+        )
 
 
 def train(
