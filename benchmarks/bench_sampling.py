@@ -55,6 +55,7 @@ def trained_mod(method: str, seconds: float, checkpoint: str | None, overrides: 
             f"model.mod.causal={method}",
             f"train.max_seconds={seconds}",
             f"train.out_dir=runs/sampling/{method}",
+            "train.overwrite=true",
             "train.progress=false",
             *overrides,
         ],

@@ -61,7 +61,8 @@ def preset_config(
 ) -> Config:
     out = f"{runs_dir}/{preset}" + (f"/seed{seed}" if seed is not None else "")
     seeded = [f"train.seed={seed}"] if seed is not None else []
-    return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir={out}", *seeded, *extra])
+    run = [f"train.max_seconds={seconds}", f"train.out_dir={out}", "train.overwrite=true"]
+    return load_config(preset, [*run, *seeded, *extra])
 
 
 def run(preset: str, cfg: Config) -> tuple[dict, MoDETransformer]:

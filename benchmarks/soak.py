@@ -40,6 +40,7 @@ def soak(preset: str, steps: int, log_every: int) -> dict:
             "train.progress=false",
             "train.device=cpu",
             f"train.out_dir={out}",
+            "train.overwrite=true",
         ]
         cfg = load_config(preset, overrides)
         t0 = time.perf_counter()

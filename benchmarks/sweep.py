@@ -96,7 +96,14 @@ def point_config(point: dict, seconds: float, extra: list[str], runs_dir: str, s
     out = f"{runs_dir}/{point['name'].replace(' ', '_').replace('=', '')}/seed{seed}"
     return load_config(
         point["preset"],
-        [*point["overrides"], f"train.max_seconds={seconds}", f"train.out_dir={out}", f"train.seed={seed}", *extra],
+        [
+            *point["overrides"],
+            f"train.max_seconds={seconds}",
+            f"train.out_dir={out}",
+            "train.overwrite=true",
+            f"train.seed={seed}",
+            *extra,
+        ],
     )
 
 

@@ -35,7 +35,7 @@ TARGETS = ["mod", "mode_staged", "mode_integrated"]
 
 
 def config(preset: str, seconds: float, out: Path, extra: list[str]):
-    return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir={out}", *extra])
+    return load_config(preset, [f"train.max_seconds={seconds}", f"train.out_dir={out}", "train.overwrite=true", *extra])
 
 
 def run(name: str, phase: str, cfg, offset: float = 0.0, model=None) -> dict:

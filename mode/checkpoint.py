@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
+from mode.checks import is_file_name
 from mode.config import Config, from_dict, to_dict
 from mode.dcp_reader import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from mode.parallel.expert_parallel import expert_parameters
@@ -103,11 +104,85 @@ def read_file(path: str | Path, trust_file: bool = False, mmap: bool = False) ->
             f"{path} has checkpoint format version {version!r}; this mode-moe reads versions up to "
             f"{FORMAT_VERSION}: upgrade mode-moe to load it"
         )
+    _refuse_unbacked_tensors(state, path)
     if "digest" in state and not mmap:
         expected = state.pop("digest")
         if _digest(state) != expected:
             raise CheckpointDamagedError(f"{path} fails its checksum: its bytes changed after it was written")
     return state
+
+
+def _refuse_unbacked_tensors(obj: object, path: Path, key: str = "") -> None:
+    """``CheckpointError`` naming the first tensor in ``obj`` (nested dicts, lists) that
+    declares more elements than its file stores (a stride-0 or overlapping view: reading it
+    whole would allocate what its shape says, not what the file holds)."""
+    if isinstance(obj, torch.Tensor):
+        need = obj.numel() * obj.element_size()
+        have = obj.untyped_storage().nbytes()
+        if need > have:
+            raise CheckpointError(
+                f"{path}: tensor {key or '(top level)'} declares shape {list(obj.shape)} ({need} bytes) but the file "
+                f"stores {have} bytes for it (a stride-0 or overlapping view, not written by mode-moe): not loaded"
+            )
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _refuse_unbacked_tensors(v, path, f"{key}.{k}" if key else str(k))
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _refuse_unbacked_tensors(v, path, f"{key}[{i}]")
+
+
+class TensorHeader(NamedTuple):
+    """What a file declares of one tensor, read without its data."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def stored_weights(path: str | Path, trust_file: bool = False) -> dict[str, TensorHeader]:
+    """``{parameter or buffer name: TensorHeader}`` of the model a checkpoint of either kind
+    holds, from the file's headers (a ``ckpt.pt`` memory-mapped, a directory's ``.metadata``):
+    no tensor's data is read."""
+    path = Path(path)
+    if path.is_dir():
+        verify_directory(path, trust_file)
+        try:
+            entries = read_metadata(path).state_dict_metadata
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"{path / '.metadata'} is refused ({e}): pass trust_file=True if you trust it") from e
+        return {
+            k.removeprefix("model."): TensorHeader(tuple(v.size), v.properties.dtype)
+            for k, v in entries.items()
+            if k.startswith("model.") and hasattr(v, "size")
+        }
+    model = read_file(path, trust_file, mmap=True).get("model")
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{path} holds no model state dict ('model'): it was not written by mode-moe's save")
+    return {k: TensorHeader(tuple(v.shape), v.dtype) for k, v in model.items() if isinstance(v, torch.Tensor)}
+
+
+def check_weights(path: str | Path, expected: dict[str, torch.Tensor], stored: dict[str, TensorHeader]) -> None:
+    """``CheckpointError`` unless ``stored`` (``stored_weights``) has exactly the names and
+    shapes of ``expected`` (a model's state dict, real or on the meta device), and a floating
+    dtype wherever the model's tensor is floating: the message says the config differs from
+    the checkpoint and names the first differences."""
+    problems = [f"{k} is missing from the file" for k in expected if k not in stored]
+    problems += [f"{k} is in the file, not in the model" for k in stored if k not in expected]
+    for k, t in expected.items():
+        header = stored.get(k)
+        if header is None:
+            continue
+        if tuple(t.shape) != header.shape:
+            problems.append(f"{k} is {list(t.shape)} in the model, {list(header.shape)} in the file")
+        elif t.is_floating_point() and not header.dtype.is_floating_point:
+            problems.append(f"{k} is stored as {header.dtype}, not a floating dtype (it would be cast in silence)")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(
+            f"{path} does not hold this model's weights: {'; '.join(problems[:3])}{more}. The model's config "
+            "differs from the checkpoint's: build the model from the checkpoint's own config "
+            "(MoDETransformer.from_checkpoint, mode.checkpoint.checkpoint_config)"
+        )
 
 
 def _first_line(e: BaseException) -> str:
@@ -168,7 +243,7 @@ def verify_directory(directory: str | Path, trust_file: bool = False) -> None:
         raise CheckpointDamagedError(f"{listing} is not a checksum listing ({_first_line(e)})") from e
     for name, size_written, crc_written in wanted:
         f = directory / name
-        if Path(name).name != name or name in ("", ".", ".."):
+        if not is_file_name(name):
             raise CheckpointError(f"{listing} names {name!r}, which is not a file name in {directory}")
         if not f.is_file():
             raise CheckpointDamagedError(f"{directory}: {name} is missing")
@@ -264,6 +339,11 @@ def load(
         verify_directory(path, trust_file)
         return _restore(load_sharded(path, model, ctx, optimizer, trust_file), data_rng)
     state = read_file(path, trust_file)
+    if not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{path} holds no model state dict ('model'): it was not written by mode-moe's save")
+    check_weights(
+        path, model.state_dict(), {k: TensorHeader(tuple(v.shape), v.dtype) for k, v in state["model"].items()}
+    )
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])

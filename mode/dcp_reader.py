@@ -17,7 +17,6 @@ then yields the real metadata so that the load succeeds. Here:
 from __future__ import annotations
 
 import io
-import pathlib
 import pickle
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from mode.checks import is_file_name
 
 # (module, name) pairs admitted besides the classes defined in DCP's metadata module.
 _ALLOWED = {
@@ -73,7 +74,7 @@ def read_metadata(path: str | Path) -> Metadata:
         raise UnsafeMetadataError(f"it holds a {type(metadata).__name__}, not DCP metadata")
     for info in (metadata.storage_data or {}).values():
         name = info.relative_path if isinstance(info, _StorageInfo) else None
-        if not isinstance(name, str) or pathlib.PurePath(name).name != name or name in ("", ".", ".."):
+        if not is_file_name(name):
             raise UnsafeMetadataError(f"it names the storage file {name!r}, which is not a file name in {path}")
         if (path / name).is_symlink():
             raise UnsafeMetadataError(f"its storage file {name} is a symbolic link")

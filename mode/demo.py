@@ -31,6 +31,7 @@ def run_demo(
             f"name={variant}",
             f"train.max_seconds={seconds}",
             f"train.out_dir=runs/demo/{variant}",
+            "train.overwrite=true",  # the demo owns its directories: a second demo replaces the first
             "train.progress=false",
         ]
         if variant in LAYOUTS:

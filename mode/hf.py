@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from mode.checks import ConfigError
+from mode.checks import ConfigError, is_file_name
 from mode.config import ModelConfig, from_dict, to_dict
 from mode.model import MoDETransformer
 
@@ -106,7 +106,13 @@ def read_hf_state(path: str | Path) -> StateDict:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = index_shards(index)
+        if (path / "model.safetensors").is_file() and shards != ["model.safetensors"]:
+            raise UnsupportedCheckpoint(
+                f"{path} holds both model.safetensors and {index.name} (listing {', '.join(shards[:3])}"
+                f"{', ...' if len(shards) > 3 else ''}): which is the model is ambiguous (a stale export?); "
+                "remove the one that is not"
+            )
     elif (path / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     else:
@@ -119,6 +125,31 @@ def read_hf_state(path: str | Path) -> StateDict:
     for shard in shards:
         state.update(load_file(path / shard))
     return state
+
+
+def index_shards(index: Path) -> list[str]:
+    """The shard files a ``model.safetensors.index.json`` lists, sorted: plain file names in
+    its directory only (``UnsupportedCheckpoint`` naming the entry otherwise)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise UnsupportedCheckpoint(f"{index} is not a safetensors index (no weight_map of names): {e!r}") from e
+    for name in names:
+        if not is_file_name(name):
+            raise UnsupportedCheckpoint(f"{index} lists the shard {name!r}: only file names inside its directory")
+    return names
+
+
+def _remove_stale_export(path: Path) -> None:
+    """Remove an earlier export's sharded weights from ``path``: its index and the shards it
+    lists (a later reader would prefer them to the new ``model.safetensors``)."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    for name in index_shards(index):
+        (path / name).unlink(missing_ok=True)
+    index.unlink()
 
 
 def _rope_base(c: dict, problems: list[str]) -> float:
@@ -514,6 +545,7 @@ def to_hf(model: MoDETransformer, path: str | Path, native: bool | None = None, 
         theirs = _gpt2_out(state, cfg) if family == "gpt2" else _llama_out(state, cfg, family)
         config = _config_out(cfg, family, next(iter(theirs.values())).dtype)
     path.mkdir(parents=True, exist_ok=True)
+    _remove_stale_export(path)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in theirs.items()}, path / "model.safetensors", metadata={"format": "pt"})
     if family is None:

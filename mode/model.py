@@ -99,7 +99,11 @@ class MoDETransformer(nn.Module):
         the CPU in eval mode (its config from the checkpoint)."""
         from mode import checkpoint  # noqa: PLC0415  (checkpoint imports this module)
 
-        model = cls(checkpoint.checkpoint_config(path, trust_file).model)
+        cfg = checkpoint.checkpoint_config(path, trust_file).model
+        with torch.device("meta"):  # the config's shapes, checked against the file's before any memory is spent
+            expected = cls(cfg).state_dict()
+        checkpoint.check_weights(path, expected, checkpoint.stored_weights(path, trust_file))
+        model = cls(cfg)
         checkpoint.load(path, model, trust_file=trust_file)
         return model.eval()
 

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from mode.loggers import open_sinks, scalars
 from mode.precision import matmul_seconds
+from mode.run_dir import open_log, write_text
 
 LOG = logging.getLogger("mode")  # the run's messages (a handler prints them above the progress bar)
 
@@ -185,7 +186,7 @@ class RunLogger:
         """``out_dir/filename`` as indented JSON (rank 0)."""
         if self.active:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / filename).write_text(json.dumps(values, indent=2))
+            write_text(self.out_dir / filename, json.dumps(values, indent=2))
 
     def say(self, message: str) -> None:
         """Log a message at INFO (rank 0, when showing progress)."""
@@ -205,7 +206,7 @@ class RunLogger:
     def record(self, values: dict) -> None:
         """Append one step's record to ``metrics.jsonl`` and show its losses on the bar."""
         if self.active and self.file is None:
-            self.file = open(self.out_dir / "metrics.jsonl", "a" if self.append else "w")  # noqa: SIM115
+            self.file = open_log(self.out_dir / "metrics.jsonl", self.append)
             self.sinks, skipped = open_sinks(self.logger_names, self.out_dir, self.config, self.name)
             for message in skipped:
                 self.warn(message)

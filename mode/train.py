@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from mode import checkpoint, telemetry
+from mode import checkpoint, run_dir, telemetry
 from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
 from mode.convert import HF_PREFIX, hf_source_config, is_hf, upcycle, with_dense_shape
@@ -135,6 +136,7 @@ class Run:
     log: telemetry.RunLogger
     flops_per_step: int
     peak_flops: float
+    lock: run_dir.RunLock | None = None  # out_dir's, held by rank 0
 
     @classmethod
     def start(cls, cfg: Config, model: MoDETransformer | None = None) -> Run:
@@ -147,6 +149,23 @@ class Run:
         if is_hf(tc.init_from):  # a published model defines the shape (mode.convert.with_dense_shape)
             cfg.model = with_dense_shape(cfg.model, hf_source_config(tc.init_from))
         ctx = init_parallel(cfg)
+        lock = None
+        if ctx is None or ctx.rank == 0:  # before anything is read or written there
+            lock = run_dir.claim(tc.out_dir, tc.resume, tc.overwrite, warn=telemetry.LOG.warning)
+        if ctx is not None:
+            dist.barrier()
+        try:
+            return cls._start(cfg, model, ctx, lock)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+
+    @classmethod
+    def _start(
+        cls, cfg: Config, model: MoDETransformer | None, ctx: ParallelContext | None, lock: run_dir.RunLock | None
+    ) -> Run:
+        tc = cfg.train
         device = ctx.device if ctx else telemetry.resolve_device(tc.device)
         precision = resolve(tc.precision, device)
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
@@ -169,15 +188,21 @@ class Run:
             # The newest checkpoint that passes its checks (older ones kept by keep_checkpoints
             # are the fallback). The time budget continues too: the schedule and the max_seconds
             # stop use it.
-            _, (start, elapsed) = checkpoint.load_newest_good(ckpt, model, opt, gen, ctx, warn=log.warn)
+            found, (start, elapsed) = checkpoint.load_newest_good(ckpt, model, opt, gen, ctx, warn=log.warn)
             log.append = start > 0  # metrics.jsonl continues
+            resumed = f"; resumed from {found} at step {start}"
+        elif tc.resume:
+            resumed = f"; train.resume=true, but {tc.out_dir} holds no checkpoint: starting at step 0"
+            log.warn(f"train.resume=true, but {tc.out_dir} holds no checkpoint: starting at step 0")
+        else:
+            resumed = ""
         peak_flops, peak_how = telemetry.measure_peak_flops(device, PRECISION_DTYPES[precision])
         layout = f"dp {ctx.dp_size} x ep {ctx.ep_size}" if ctx else "1 process"
         compiled = "compiled blocks" if compile_enabled(tc.compile, device) else "eager"
         fused = "fused" if opt.param_groups[0].get("fused") else "foreach"
         log.say(
             f"{cfg.name}: device {device}, precision {precision}, {compiled}, {fused} AdamW, {layout}; "
-            f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how})"
+            f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how}){resumed}"
         )
         log.write_json("config.json", config)
         world = ctx.world_size if ctx else 1
@@ -189,8 +214,28 @@ class Run:
         flops = train_flops_per_step(cfg.model, tc.batch_size)
         objective = LMObjective(model)
         return cls(
-            cfg, ctx, device, precision, model, opt, objective, data, gen, ckpt, start, elapsed, log, flops, peak_flops
+            cfg,
+            ctx,
+            device,
+            precision,
+            model,
+            opt,
+            objective,
+            data,
+            gen,
+            ckpt,
+            start,
+            elapsed,
+            log,
+            flops,
+            peak_flops,
+            lock,
         )
+
+    def release(self) -> None:
+        """Give the run directory's lock back (the run is over, or failed)."""
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def rank_and_world(self) -> tuple[int, int]:
@@ -293,6 +338,15 @@ def train(
     not evaluation or checkpoints, so variants whose eval costs more are not charged for it.
     """
     run = Run.start(cfg, model)
+    try:
+        return _train_steps(run, stop_at)
+    finally:
+        run.release()
+
+
+def _train_steps(run: Run, stop_at: int | None) -> tuple[MoDETransformer, TrainResult]:
+    """``train``'s loop over the steps of a started run."""
+    cfg = run.cfg
     tc, elapsed, saved = cfg.train, run.elapsed, run.start_step or -1  # saved: the step of the last checkpoint on disk
     result = TrainResult(
         steps=run.start_step,

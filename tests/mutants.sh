@@ -27,3 +27,13 @@ m mode/parallel/parallelize.py 's/set_balance_group(model, dist.group.WORLD)/set
 m mode/layers/predictor.py 's/        return \[self.pending\]/        return []/' "tests/test_expert_parallel.py::test_routing_state_stays_identical_across_data_parallel_ranks"
 # Hugging Face interop: the query/key/value order of a Llama attention.
 m mode/hf.py 's/for n in "qkv"\])/for n in "kqv"])/' "tests/test_hf.py::test_from_hf_computes_the_hf_logits"
+# Reliability III: planted bugs the focused files and the fast tier let through (2026-12-05).
+m mode/data.py 's/return len(tokenizer.decode_text(ids.tolist()).encode("utf-8")) \/ max(1, len(ids))/return len(tokenizer.decode_text(ids.tolist())) \/ max(1, len(ids))/' "tests/test_tokenized_data.py::test_bytes_per_token_counts_utf8_bytes_of_non_ascii_text"
+m mode/step.py 's/(total \/ accum_steps if accum_steps > 1 else total).backward()/(total \/ accum_steps if accum_steps > 2 else total).backward()/' "tests/test_step_paths.py::test_accumulation_applies_the_gradient_of_the_whole_batch"
+m mode/routed.py 's/^        if coef:$/        if coef and measuring():/' "tests/test_step_paths.py::test_an_unlogged_step_trains_with_the_same_auxiliary_losses"
+m mode/eval/harness.py 's/logprobs = self._logprobs(ctx + cont)\[-len(cont) :\]/logprobs = self._logprobs(ctx + cont)[-len(cont) - 1 : -1]/' "tests/test_harness.py::test_loglikelihood_scores_the_continuation_by_the_models_forward"
+m mode/step.py 's/compiled_piece(after_optimizer_step, model)(model, ok)/compiled_piece(after_optimizer_step, model)(model, True)/' "tests/test_step_paths.py::test_a_skipped_step_moves_no_routing_state"
+# Reliability III: checkpoints and run directories.
+m mode/checkpoint.py 's/storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner()/checkpoint_id=str(path)/' "tests/test_dcp_safety.py"
+m mode/checkpoint.py 's/^        _keep_in_history(path, warn)/        os.link(path, _history_name(path, warn))/' "tests/test_save_again.py::test_a_taken_history_name_is_replaced"
+m mode/run_dir.py 's/    if found and not resume:/    if False:/' "tests/test_run_dir.py::test_a_second_run_into_a_run_directory_is_refused_and_loses_nothing"

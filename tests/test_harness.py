@@ -115,3 +115,25 @@ def test_rolling_loglikelihood_scores_every_token_once(checkpoint):
         args = (text,)
 
     assert ours.loglikelihood_rolling([Request()]) == [pytest.approx(want, abs=1e-4)]
+
+
+def test_loglikelihood_scores_the_continuation_by_the_models_forward(checkpoint):
+    """lm-eval's loglikelihood requests: log p(continuation | context) summed from the
+    model's own logits at the positions that predict each continuation id."""
+    from mode.eval.harness import ModeLM
+
+    ours = ModeLM(str(checkpoint), routing="topk")
+    context, continuation = "ROMEO: What light", " through yonder"
+    ctx, cont = ours.tok.encode(context), ours.tok.encode(continuation)
+    ids = torch.tensor(ctx + cont)[None]
+    with torch.no_grad():
+        logits, _ = ours.model(ids[:, :-1], routing="topk")
+    logprobs = torch.log_softmax(logits[0].float(), -1)
+    want = sum(logprobs[len(ctx) - 1 + i, c].item() for i, c in enumerate(cont))
+    greedy = all(logprobs[len(ctx) - 1 + i].argmax().item() == c for i, c in enumerate(cont))
+
+    class Request:
+        args = (context, continuation)
+
+    [(score, is_greedy)] = ours.loglikelihood([Request()])
+    assert score == pytest.approx(want, abs=1e-4) and is_greedy == greedy

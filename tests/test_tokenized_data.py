@@ -139,3 +139,29 @@ def test_prepare_cli_prints_the_split(text_file, tmp_path, capsys):
     prepare_main([str(text_file), "--out", str(tmp_path), "--bpe", "300"])
     assert "vocabulary 300" in capsys.readouterr().out
     assert json.loads((tmp_path / "meta.json").read_text())["vocab_size"] == 300
+
+
+NON_ASCII = "Größe, naïve café; Ærø — 日本語のテキスト, ελληνικά. " * 30
+
+
+@pytest.mark.parametrize("bpe", [0, 400], ids=["bytes", "bpe"])
+def test_bytes_per_token_counts_utf8_bytes_of_non_ascii_text(tmp_path, bpe):
+    """Bits per byte divide by UTF-8 bytes, not characters: on text where they differ, the
+    bytes per token of the validation split equal its UTF-8 length over its id count."""
+    from mode.data import text_bytes_per_token
+    from mode.tokenizer import load_tokenizer
+
+    src = tmp_path / "in.txt"
+    src.write_text(NON_ASCII, encoding="utf-8")
+    out = tmp_path / "data"
+    meta = prepare([str(src)], out, bpe_vocab=bpe, val_fraction=0.5)
+    tok = load_tokenizer(str(out / "tokenizer.json") if bpe else "bytes")
+    ids = tok.encode("日本語のテキスト, ελληνικά")
+    assert text_bytes_per_token(tok, ids) == pytest.approx(len("日本語のテキスト, ελληνικά".encode()) / len(ids))
+    # meta.json: the validation split is the last half of the ids; its text is (up to the
+    # characters cut at the split) the last half of the file, whose UTF-8 bytes are counted.
+    val_ids = meta["val_tokens"]
+    val_bytes = len(tok.decode(tok.encode(NON_ASCII)[-val_ids:]).encode("utf-8"))
+    assert meta["bytes_per_token"] == pytest.approx(val_bytes / val_ids, rel=0.01)
+    if not bpe:  # every id is one byte (a character cut at the split decodes to U+FFFD: 3 bytes)
+        assert meta["bytes_per_token"] == pytest.approx(1.0, abs=0.01)

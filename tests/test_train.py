@@ -82,7 +82,7 @@ def test_resume_continues_the_time_budget_and_its_schedule(tmp_path):
     assert after["lr"] == lr_at(4, cfg.train, before["elapsed"])
     assert after["lr"] < before["lr"]
 
-    spent = load_config("dense", base + ["train.max_seconds=0.5"])
+    spent = load_config("dense", base + ["train.max_seconds=0.5", "train.overwrite=true"])  # a new run there
     _, first = train(spent)
     assert 0 < first.steps < 100000
     _, again = train(load_config("dense", base + ["train.max_seconds=0.5", "train.resume=true"]))

@@ -31,13 +31,14 @@ __all__ = ["evaluate_split", "load_model", "main_eval", "main_generate"]
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[MoDETransformer, dict]:
     """A model from a ``mode-train`` checkpoint (``ckpt.pt`` or ``ckpt/``) or a Hugging Face
     directory, in eval mode, and what it says about its data: ``{"source", "tokenizer",
-    "cache_dir", "val_fraction"}`` (a Hugging Face directory: its own ``tokenizer.json`` if any)."""
+    "val_fraction"}`` (a Hugging Face directory: its own ``tokenizer.json`` if any). The
+    checkpoint's ``data.cache_dir`` is not returned: a file never picks where we write."""
     path = Path(path)
     if path.is_dir() and (path / "config.json").is_file() and not (path / ".metadata").exists():
         from mode.hf import from_hf  # noqa: PLC0415
 
         tok = str(path) if (path / "tokenizer.json").is_file() else None
-        return from_hf(path, dtype), {"source": None, "tokenizer": tok, "cache_dir": "data", "val_fraction": 0.05}
+        return from_hf(path, dtype), {"source": None, "tokenizer": tok, "val_fraction": 0.05}
     from mode.checkpoint import checkpoint_config  # noqa: PLC0415
     from mode.data import source_tokenizer  # noqa: PLC0415
 
@@ -46,7 +47,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mo
     return model, {
         "source": data.source,
         "tokenizer": source_tokenizer(data.source, data.tokenizer),
-        "cache_dir": data.cache_dir,
         "val_fraction": data.val_fraction,
     }
 
@@ -85,6 +85,9 @@ def main_eval(argv: list[str] | None = None) -> dict:
     parser.add_argument("model", help="a mode-train checkpoint (ckpt.pt or ckpt/) or a Hugging Face directory")
     parser.add_argument("--data", default=None, help="data.source to evaluate on (default: the checkpoint's)")
     parser.add_argument("--tokenizer", default=None, help="data.tokenizer for a text source (default: the model's)")
+    parser.add_argument(
+        "--cache-dir", default="data", help="where a named corpus is fetched to (default: data; never the checkpoint's)"
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0: the whole split)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -96,7 +99,7 @@ def main_eval(argv: list[str] | None = None) -> dict:
     if source is None:
         parser.error("a Hugging Face directory names no data: give --data")
     tokenizer = args.tokenizer or (data["tokenizer"] if args.data is None or Path(source).is_file() else None)
-    corpus = load_corpus(source, model.cfg.seq_len, data["val_fraction"], data["cache_dir"], tokenizer or "bytes")
+    corpus = load_corpus(source, model.cfg.seq_len, data["val_fraction"], args.cache_dir, tokenizer or "bytes")
     if corpus.vocab_size > model.cfg.vocab_size:
         raise SystemExit(
             f"mode-eval: the data's ids need {corpus.vocab_size} > model.vocab_size={model.cfg.vocab_size}"
