@@ -123,7 +123,12 @@ def read_hf_state(path: str | Path) -> StateDict:
         )
     state: StateDict = {}
     for shard in shards:
-        state.update(load_file(path / shard))
+        if not (path / shard).is_file():
+            raise FileNotFoundError(f"{path / shard} is missing (the index lists it): copy the whole model directory")
+        try:
+            state.update(load_file(path / shard))
+        except Exception as e:  # noqa: BLE001  (safetensors raises its own SafetensorError, OSError, ...)
+            raise UnsupportedCheckpoint(f"{path / shard} is not a readable safetensors file: {e}") from e
     return state
 
 
@@ -312,12 +317,17 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoDETransfo
     else:
         cfg = config_from_hf(c)
         ours = state_from_hf(state, cfg, c["model_type"])
+    with torch.device("meta"):  # the config's shapes, compared to the file's before any memory is spent
+        _check_exactly(MoDETransformer(cfg), ours, f"{path}")
     model = MoDETransformer(cfg)
-    _load_exactly(model, ours, f"{path}")
+    model.load_state_dict(ours, strict=False)
     return model.to(dtype).eval()
 
 
-def _load_exactly(model: MoDETransformer, state: StateDict, where: str) -> None:
+def _check_exactly(model: MoDETransformer, state: StateDict, where: str) -> None:
+    """``UnsupportedCheckpoint`` unless ``state`` fills every parameter of ``model`` (which may
+    live on the meta device: only shapes and dtypes are compared) with a tensor of its shape
+    and a floating dtype, and holds nothing else."""
     own = model.state_dict()
     params = {k for k in own if not k.endswith("selection_bias")}
     missing = sorted(params - state.keys())
@@ -329,8 +339,9 @@ def _load_exactly(model: MoDETransformer, state: StateDict, where: str) -> None:
     for k, v in state.items():
         if k in own and own[k].shape != v.shape:
             problems.append(f"{k}: shape {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} here")
+        elif k in own and own[k].is_floating_point() and not v.is_floating_point():
+            problems.append(f"{k} is stored as {v.dtype}, not a floating dtype (it would be cast in silence)")
     _refuse(where, problems)
-    model.load_state_dict(state, strict=False)
 
 
 def state_from_hf(state: StateDict, cfg: ModelConfig, family: str) -> StateDict:
