@@ -337,7 +337,7 @@ def load(
         raise FileNotFoundError(f"no checkpoint at {path}")
     if path.is_dir():
         verify_directory(path, trust_file)
-        return _restore(load_sharded(path, model, ctx, optimizer, trust_file), data_rng)
+        return _restore(path, load_sharded(path, model, ctx, optimizer, trust_file), data_rng)
     state = read_file(path, trust_file)
     if not isinstance(state.get("model"), dict):
         raise CheckpointError(f"{path} holds no model state dict ('model'): it was not written by mode-moe's save")
@@ -347,7 +347,7 @@ def load(
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-    return _restore(state, data_rng)
+    return _restore(path, state, data_rng)
 
 
 def load_checkpoint(
@@ -370,14 +370,20 @@ def checkpoint_config(path: str | Path, trust_file: bool = False) -> Config:
     return from_dict(state["config"])
 
 
-def _restore(state: dict, data_rng: torch.Generator | None) -> Progress:
+def _restore(path: Path, state: dict, data_rng: torch.Generator | None) -> Progress:
     """Restore the RNG states a checkpoint kept (a DCP one written outside mode.train may keep
-    none) and return its progress (elapsed 0 for checkpoints written before it was saved)."""
+    none) and return its progress (elapsed 0 for checkpoints written before it was saved);
+    ``CheckpointError`` naming ``path`` for a step or elapsed time that is not one."""
+    step, elapsed = state.get("step"), state.get("elapsed", 0.0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path}: step={step!r} is not a count of steps: it was not written by mode's save")
+    if isinstance(elapsed, bool) or not isinstance(elapsed, int | float):
+        raise CheckpointError(f"{path}: elapsed={elapsed!r} is not a number of seconds: the checkpoint is damaged")
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
     if data_rng is not None and state.get("data_rng") is not None:
         data_rng.set_state(state["data_rng"])
-    return Progress(int(state["step"]), float(state.get("elapsed", 0.0)))
+    return Progress(step, float(elapsed))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -96,6 +96,7 @@ def prepare_shakespeare(cache_dir: str | Path = "data") -> Path:
 
 
 LLMC_MAGIC, LLMC_HEADER_BYTES = 20240520, 1024
+TOKEN_SUFFIXES = {".bin": np.uint16, ".u32": np.uint32}  # token file suffix: id dtype
 
 
 class ShardedTokens:
@@ -157,7 +158,7 @@ def read_token_file(path: Path) -> np.ndarray:
             if LLMC_HEADER_BYTES + count * np.dtype(dtype).itemsize > size:
                 raise ValueError(f"{path}: its llm.c header promises {count} tokens, more than the file holds")
             return np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
-    dtype = {".bin": np.uint16, ".u32": np.uint32}[path.suffix]
+    dtype = TOKEN_SUFFIXES[path.suffix]
     itemsize = np.dtype(dtype).itemsize
     if size % itemsize:
         raise ValueError(
@@ -186,6 +187,12 @@ def load_tokens(source: str, cache_dir: str | Path = "data", tokenizer: str = "b
         files = sorted(Path(f) for f in glob.glob(source))
         if not files:
             raise FileNotFoundError(f"data.source={source!r}: no file matches")
+        others = [f.name for f in files if f.suffix not in TOKEN_SUFFIXES]
+        if others:
+            raise ValueError(
+                f"data.source={source!r} matches {others[:3]}, not token files: a glob reads token shards "
+                f"({', '.join(TOKEN_SUFFIXES)}) only; give one text file, or a pattern such as '*.bin'"
+            )
         tokens = ShardedTokens([read_token_file(f) for f in files])
         return tokens, tokens.max() + 1
     path = Path(source)
@@ -193,7 +200,7 @@ def load_tokens(source: str, cache_dir: str | Path = "data", tokenizer: str = "b
         raise FileNotFoundError(f"data.source={source!r}: no such file (or use 'shakespeare')")
     if path.stat().st_size == 0:
         raise ValueError(f"data.source={source!r} is empty: give a file with text or tokens")
-    if path.suffix in (".bin", ".u32"):
+    if path.suffix in TOKEN_SUFFIXES:
         tokens = read_token_file(path)
         return tokens, int(tokens.max()) + 1 if len(tokens) else 1
     if tokenizer == "bytes":
@@ -349,7 +356,15 @@ def _prepared_corpus(path: Path, seq_len: int, tokenizer: str) -> Corpus:
         files = _split_files(path, meta, name)
         if not files:
             raise FileNotFoundError(f"{path} holds no {name}_*.bin or {name}_*.u32 shards (meta.json says it should)")
-        tokens = ShardedTokens([read_token_file(f) for f in files])
+        shards = [read_token_file(f) for f in files]
+        for file, ids in zip(files, shards, strict=True):
+            top = int(ids.max()) if len(ids) else 0
+            if top >= meta["vocab_size"]:
+                raise ValueError(
+                    f"{file} holds id {top}, outside the vocabulary of {meta['vocab_size']} that {meta_file} "
+                    "states: the shard belongs to other data or was damaged; prepare the data again (mode-prepare)"
+                )
+        tokens = ShardedTokens(shards)
         if len(tokens) < seq_len + 2:
             short = f"the {name} split has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}"
             raise ValueError(f"{path}: {short}")

@@ -62,6 +62,16 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 MOE_FAMILIES = ("mixtral", "olmoe", "qwen2_moe")
+_LLAMA_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# The size fields of each family's config.json that must be positive ints (read before anything
+# is built from them); OPTIONAL_SIZES must be too where present.
+SIZES = {
+    "gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
+    "mixtral": (*_LLAMA_SIZES, "num_local_experts", "num_experts_per_tok"),
+    "olmoe": (*_LLAMA_SIZES, "num_experts", "num_experts_per_tok"),
+    "qwen2_moe": (*_LLAMA_SIZES, "num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+} | {family: _LLAMA_SIZES for family in ("llama", "mistral", "qwen2")}
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "n_inner", "decoder_sparse_step")
 # Parameter names, each table used both ways: Llama-family ``{name}_proj`` of a SwiGLU MLP ->
 # this library's dense MLP (``mlp.<ours>``) and experts (``experts.<ours>``, transposed) ...
 DENSE_MLP = (("gate", "fc"), ("up", "up"), ("down", "proj"))
@@ -95,7 +105,13 @@ def hf_config(path: str | Path) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")
-    return json.loads(file.read_text())
+    try:
+        c = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UnsupportedCheckpoint(f"{file} is not JSON ({e}): write it again with save_pretrained") from e
+    if not isinstance(c, dict):
+        raise UnsupportedCheckpoint(f"{file} holds a {type(c).__name__}, not an object of config fields")
+    return c
 
 
 def read_hf_state(path: str | Path) -> StateDict:
@@ -183,6 +199,7 @@ def config_from_hf(c: dict) -> ModelConfig:
         raise UnsupportedCheckpoint(
             f"model_type={family!r} is not supported: the families read are {list(FAMILIES)}" + _family_hint(family)
         )
+    _check_sizes(c, family)
     problems: list[str] = []
     if family == "gpt2":
         model = _gpt2_config(c, problems)
@@ -193,6 +210,22 @@ def config_from_hf(c: dict) -> ModelConfig:
         return from_dict({"model": model}).model
     except ConfigError as e:
         raise UnsupportedCheckpoint(f"config.json (model_type={family!r}) gives an invalid model: {e}") from e
+
+
+def _check_sizes(c: dict, family: str) -> None:
+    """``UnsupportedCheckpoint`` naming every size field of ``family`` that is missing or not a
+    positive int (``SIZES``; ``OPTIONAL_SIZES`` where present and not null)."""
+    present = [n for n in OPTIONAL_SIZES if c.get(n) is not None]
+    bad = [
+        f"{n}={c[n]!r}" if n in c else f"{n} missing"
+        for n in (*SIZES[family], *present)
+        if isinstance(c.get(n), bool) or not isinstance(c.get(n), int) or c[n] <= 0
+    ]
+    if bad:
+        raise UnsupportedCheckpoint(
+            f"config.json (model_type={family!r}): {', '.join(bad)}: each must be a positive int; the file is "
+            f"damaged or not a {family} config (write it again with transformers' save_pretrained)"
+        )
 
 
 def _family_hint(family: str | None) -> str:
@@ -312,7 +345,15 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoDETransfo
     c = hf_config(path)
     state = read_hf_state(path)
     if c.get("model_type") == "mode_moe":  # written by to_hf with its modeling file: our own names
-        cfg = from_dict({"model": c["mode_config"]}).model
+        if not isinstance(c.get("mode_config"), dict):
+            raise UnsupportedCheckpoint(
+                f"{path}/config.json has model_type 'mode_moe' but no mode_config object (the model's "
+                "config, written by mode-export): export the model again"
+            )
+        try:
+            cfg = from_dict({"model": c["mode_config"]}).model
+        except ConfigError as e:
+            raise UnsupportedCheckpoint(f"{path}/config.json: its mode_config is not a valid model: {e}") from e
         ours = {k.removeprefix("model."): v for k, v in state.items()}
     else:
         cfg = config_from_hf(c)

@@ -9,7 +9,6 @@ square matmul of the training dtype (not a datasheet number: on CPU there is non
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import resource
@@ -30,15 +29,27 @@ LOG = logging.getLogger("mode")  # the run's messages (a handler prints them abo
 PEAK_MATMUL_SIZE = 2048
 
 
-@functools.cache
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> tuple[float, str]:
+_PEAKS: dict[tuple[str, int | None, torch.dtype], tuple[float, str]] = {}
+
+
+def measure_peak_flops(
+    device: torch.device, dtype: torch.dtype, seconds: float = 0.3, again: bool = False
+) -> tuple[float, str]:
     """FLOP/s of ``[n, n] @ [n, n]`` matmuls in ``dtype`` on ``device`` (best of repeated
     timings after a warm-up, ``mode.precision.matmul_seconds``), and a sentence saying how it
-    was measured. Measured once per process and device: later runs reuse it."""
-    n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
-    best, reps = matmul_seconds(n, dtype, device, reps=3, warmup=3, min_seconds=seconds)
-    how = f"best of {reps} {n}x{n}x{n} {str(dtype).removeprefix('torch.')} matmuls on {device.type}"
-    return 2 * n**3 / best, how
+    was measured. Measured once per process and device, later calls reuse it; ``again``
+    measures once more and keeps the best of all measurements (a peak measured while other
+    work held the device is too low, and only ever too low)."""
+    key = (device.type, device.index, dtype)
+    if again or key not in _PEAKS:
+        n = PEAK_MATMUL_SIZE if device.type == "cuda" else 1024
+        best, reps = matmul_seconds(n, dtype, device, reps=3, warmup=3, min_seconds=seconds)
+        how = f"best of {reps} {n}x{n}x{n} {str(dtype).removeprefix('torch.')} matmuls on {device.type}"
+        if key in _PEAKS:
+            how = f"{how}, measured again"
+        if 2 * n**3 / best > _PEAKS.get(key, (0.0, ""))[0]:
+            _PEAKS[key] = (2 * n**3 / best, how)
+    return _PEAKS[key]
 
 
 def peak_memory_bytes(device: torch.device) -> int:

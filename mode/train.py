@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -247,11 +248,30 @@ class Run:
         rows = rank_rows(self.cfg.train.batch_size, self.ctx)
         return x[rows].to(self.device, non_blocking=True), y[rows].to(self.device, non_blocking=True)
 
+    def throughput(self, done: int, step_time: float) -> dict[str, float]:
+        """Tokens/s, FLOP/s and MFU of step ``done`` (``telemetry.throughput``). An MFU above 1
+        shows that the peak measured at start was undercut by other work on the device: it is
+        measured again (the best kept, in ``run_info.json`` too) and the run says so."""
+        tokens, world = self.cfg.train.batch_size * self.cfg.model.seq_len, self.rank_and_world[1]
+        rates = telemetry.throughput(tokens, self.flops_per_step, step_time, self.peak_flops * world)
+        if rates["mfu"] <= 1:
+            return rates
+        before = self.peak_flops
+        self.peak_flops, how = telemetry.measure_peak_flops(self.device, PRECISION_DTYPES[self.precision], again=True)
+        self.log.warn(
+            f"step {done}: MFU {rates['mfu']:.2f} against the peak measured at start ({before / 1e12:.3g} TFLOP/s "
+            f"per rank), which other work on the device undercut: measured again, {self.peak_flops / 1e12:.3g} TFLOP/s"
+        )
+        info_file = self.log.out_dir / "run_info.json"
+        if self.log.active and info_file.is_file():
+            info = json.loads(info_file.read_text(encoding="utf-8"))
+            self.log.write_json("run_info.json", info | {"peak_flops_per_rank": self.peak_flops, "peak_how": how})
+        return telemetry.throughput(tokens, self.flops_per_step, step_time, self.peak_flops * world)
+
     def step_record(self, done: int, out: StepResult, lr: float, elapsed: float, step_time: float, bad: int) -> dict:
         """The logged record of step ``done`` (reads the step's results on the host); ``bad``:
         consecutive skipped steps up to it."""
         loss, aux, grad_norm, skipped = (float(t) for t in out)
-        tc, world = self.cfg.train, self.rank_and_world[1]
         record = {
             "step": done,
             "loss": mean_over_ranks(loss, self.ctx),
@@ -259,9 +279,7 @@ class Run:
             "lr": lr,
             "step_time": step_time,
             "elapsed": elapsed,
-            **telemetry.throughput(
-                tc.batch_size * self.cfg.model.seq_len, self.flops_per_step, step_time, self.peak_flops * world
-            ),
+            **self.throughput(done, step_time),
             "peak_memory_mb": telemetry.peak_memory_bytes(self.device) / 2**20,
             "grad_norm": grad_norm,
         }
@@ -438,9 +456,10 @@ def main(argv: list[str] | None = None) -> None:
         destroy()
     if int(os.environ.get("RANK", "0")) != 0:
         return
+    causal = "" if math.isnan(result.val_loss_causal) else f"causal-routing val loss {result.val_loss_causal:.4f}, "
     print(
         f"{cfg.name}: {result.steps} steps, train loss {result.train_loss:.4f}, {result.val_loss_text()}, "
-        f"causal-routing val loss {result.val_loss_causal:.4f}, median step {1000 * result.median_step_time:.1f} ms"
+        f"{causal}median step {1000 * result.median_step_time:.1f} ms"
     )
     if args.sample and not sharded:
         if result.tokenizer is None:

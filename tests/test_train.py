@@ -99,3 +99,13 @@ def test_same_seed_same_losses_on_cpu(tmp_path):
     _, b = train(load_config("mod", base + [f"train.out_dir={tmp_path / 'b'}"]))
     assert [r["loss"] for r in _records(tmp_path / "a")] == [r["loss"] for r in _records(tmp_path / "b")]
     assert a.val_loss == b.val_loss
+
+
+def test_the_last_line_reports_causal_routing_only_for_a_model_that_has_it(tmp_path, capsys):
+    from mode.train import main
+
+    for preset in ("dense", "mod"):
+        main(["--config", preset, *TINY, "train.steps=2", "train.eval_every=2", f"train.out_dir={tmp_path / preset}"])
+    dense, mod = [line for line in capsys.readouterr().out.splitlines() if "median step" in line]
+    assert dense.startswith("dense:") and "causal" not in dense and "nan" not in dense, dense
+    assert mod.startswith("mod:") and "causal-routing val loss" in mod and "nan" not in mod, mod

@@ -8,6 +8,7 @@ import torch
 
 from mode.config import load_config
 from mode.experts.moe import MoELayer
+from mode.flops import train_flops_per_step
 from mode.layers.predictor import RoutingPredictor
 from mode.layers.recompute import checkpoint_blocks
 from mode.model import MoDETransformer
@@ -162,9 +163,11 @@ def test_the_log_has_throughput_mfu_memory_and_a_profiler_trace(tmp_path):
     assert len(rows) == 4
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_time"])
-        assert 0 < r["mfu"] < 1 and r["flops_per_s"] > 0
         assert r["peak_memory_mb"] > 10
     info = json.loads((tmp_path / "run_info.json").read_text())
+    for r in rows:  # MFU is the achieved rate over the peak the run states (no bound on a timing)
+        assert r["flops_per_s"] == pytest.approx(train_flops_per_step(cfg.model, 4) / r["step_time"])
+        assert r["mfu"] == pytest.approx(r["flops_per_s"] / info["peak_flops_per_rank"])
     assert info["peak_flops_per_rank"] > 1e9 and "matmul" in info["peak_how"]
     trace = json.loads((tmp_path / "profile_rank0.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
@@ -178,3 +181,27 @@ def test_bad_accumulation_and_profile_settings_name_the_field():
         load_config(None, ["train.profile_steps=[3,2]"])
     with pytest.raises(ValueError, match="train.activation_checkpoint"):
         load_config(None, ["train.activation_checkpoint=ful"])
+
+
+def test_a_peak_undercut_by_other_work_is_measured_again(tmp_path, caplog):
+    """A peak measured while the machine was busy is too low, and the steps then show an MFU
+    above 1: the run measures the peak again, says so, and states the new peak in
+    ``run_info.json``. The busy first measurement is stood in for by planting a peak of
+    1 FLOP/s in the per-process cache (this machine cannot be made busy on cue)."""
+    from mode import telemetry
+
+    key = (torch.device("cpu").type, None, torch.float32)
+    telemetry._PEAKS[key] = (1.0, "planted: a measurement undercut by other work")
+    try:
+        cfg = load_config(
+            "dense", [*SMALL, "train.steps=2", "train.max_seconds=0", "train.log_every=1", f"train.out_dir={tmp_path}"]
+        )
+        with caplog.at_level("WARNING", logger="mode"):
+            train(cfg)
+    finally:
+        telemetry._PEAKS.pop(key, None)
+    assert "which other work on the device undercut: measured again" in caplog.text
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    assert info["peak_flops_per_rank"] > 1e6 and "measured again" in info["peak_how"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mfu"] for r in rows] == pytest.approx([r["flops_per_s"] / info["peak_flops_per_rank"] for r in rows])

@@ -2,6 +2,7 @@
 the bad value and the fix, raised before any computation. One row per case."""
 
 import fractions
+import json
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import mode.train
 from mode import checkpoint
 from mode.checkpoint import FORMAT_VERSION, CheckpointError
 from mode.config import load_config
-from mode.data import load_splits
+from mode.data import load_corpus, load_splits
+from mode.hf import UnsupportedCheckpoint, from_hf
 from mode.model import MoDETransformer
 
 D = 16
@@ -112,7 +114,64 @@ CASES = [
     ("ckpt-pickled-object", lambda t: load_ckpt(t, pickled_object), CheckpointError, "trust_file=True"),
     ("ckpt-newer-format", lambda t: load_ckpt(t, newer_format), CheckpointError, f"version {FORMAT_VERSION + 1}"),
     ("data-ids-past-vocab", lambda t: train_on(t, np.full(500, 300, np.uint16)), ValueError, "model.vocab_size=256"),
+    # Reliability III: every field a file gives is checked by name before it is used
+    (
+        "ckpt-no-step",
+        lambda t: load_ckpt(t, lambda p, m: torch.save({"model": m.state_dict()}, p)),
+        CheckpointError,
+        "step=None",
+    ),
+    ("ckpt-no-model", lambda t: load_ckpt(t, lambda p, m: torch.save({"step": 1}, p)), CheckpointError, "('model')"),
+    ("hf-no-hidden-size", lambda t: hf_llama(t, hidden_size=None), UnsupportedCheckpoint, "hidden_size missing"),
+    ("hf-no-vocab-size", lambda t: hf_llama(t, vocab_size=None), UnsupportedCheckpoint, "vocab_size missing"),
+    ("hf-zero-heads", lambda t: hf_llama(t, num_attention_heads=0), UnsupportedCheckpoint, "num_attention_heads=0"),
+    ("hf-gpt2-zero-heads", lambda t: hf_llama(t, model_type="gpt2", n_head=0), UnsupportedCheckpoint, "n_head=0"),
+    ("hf-config-not-json", lambda t: hf_llama(t, text="{model"), UnsupportedCheckpoint, "config.json is not JSON"),
+    ("hf-mode-no-mode-config", lambda t: hf_llama(t, model_type="mode_moe"), UnsupportedCheckpoint, "mode_config"),
+    ("hf-index-no-weight-map", lambda t: hf_llama(t, index={"metadata": {}}), UnsupportedCheckpoint, "weight_map"),
+    ("hf-damaged-shard", lambda t: hf_llama(t, weights=b"\xff" * 64), UnsupportedCheckpoint, "model.safetensors"),
+    ("meta-no-tokenizer", lambda t: prepared(t, tokenizer=None), ValueError, "tokenizer=None"),
+    ("meta-bytes-per-token-0", lambda t: prepared(t, bytes_per_token=0), ValueError, "bytes_per_token=0"),
+    ("meta-id-past-vocab", lambda t: prepared(t, vocab_size=100), ValueError, "train_000.bin holds id"),
+    (
+        "data-glob-of-text",
+        lambda t: load_splits(data_file(t, 400).replace("corpus", "*"), 32),
+        ValueError,
+        "not token files",
+    ),
 ]
+
+
+def hf_llama(tmp_path, text: str | None = None, weights: bytes | None = None, index: dict | None = None, **fields):
+    """``from_hf`` on a Hugging Face directory: a small llama ``config.json`` with ``fields``
+    changed (None removes one) or ``text`` as the whole file, one tensor (or ``weights`` as
+    the file's bytes), and ``index`` as ``model.safetensors.index.json`` where given."""
+    from safetensors.torch import save_file
+
+    config = {"model_type": "llama", "hidden_size": D, "num_attention_heads": 2, "num_hidden_layers": 2}
+    config |= {"intermediate_size": 32, "vocab_size": 256, **fields}
+    out = tmp_path / "hf"
+    out.mkdir()
+    config = {k: v for k, v in config.items() if v is not None}
+    (out / "config.json").write_text(text if text is not None else json.dumps(config))
+    save_file({"lm_head.weight": torch.zeros(256, D)}, out / "model.safetensors")
+    if weights is not None:
+        (out / "model.safetensors").write_bytes(weights)
+    if index is not None:
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    from_hf(out)
+
+
+def prepared(tmp_path, **fields) -> None:
+    """``load_corpus`` on a byte-level prepared directory whose ``meta.json`` has ``fields``
+    changed (ids up to 255 in its shards)."""
+    out = tmp_path / "prep"
+    out.mkdir()
+    for name in ("train", "val"):
+        (np.arange(400) % 256).astype(np.uint16).tofile(out / f"{name}_000.bin")
+    meta = {"tokenizer": "bytes", "vocab_size": 256, "shards": {"train": ["train_000.bin"], "val": ["val_000.bin"]}}
+    (out / "meta.json").write_text(json.dumps(meta | fields))
+    load_corpus(str(out), 32)
 
 
 def yaml_file(tmp_path, model_value: str) -> str:
