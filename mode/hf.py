@@ -563,30 +563,31 @@ def _native_family(model: MoDETransformer) -> str:
     return family
 
 
-def to_hf(model: MoDETransformer, path: str | Path, native: bool | None = None, routing: str = "topk") -> Path:
+def to_hf(model: MoDETransformer, path: str | Path, native: bool | None = None, routing: str | None = None) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory (``config.json`` +
     ``model.safetensors``, and ``modeling_mode.py`` when no family holds it) that
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads with this model's logits;
     returns the directory. ``native``: None picks the family when one holds the model, else
     the modeling file; True refuses (``UnsupportedCheckpoint`` naming every field) what no
     family holds; False always writes the modeling file, whose forward uses ``routing``
-    ("topk" or "causal"). Nothing is written when it refuses."""
+    ("topk" or "causal"; default ``model.default_routing()``, as ``mode-generate`` and the
+    lm-eval model: causal where the model can decide per token). A model a family holds
+    routes no depth, so both routings are its one forward. Nothing is written when it refuses."""
     from safetensors.torch import save_file  # noqa: PLC0415  (the hf extra)
 
+    routing = routing or model.default_routing()
     if routing not in ("topk", "causal"):
         raise ValueError(f"routing={routing!r}: choose 'topk' or 'causal'")
     if routing == "causal" and not model.supports_causal():
         raise ValueError("routing='causal' needs a model whose routed layers decide per token (supports_causal)")
     cfg = model.cfg
     family = None
-    if native is not False and routing == "topk":
+    if native is not False:
         try:
             family = _native_family(model)
         except UnsupportedCheckpoint:
             if native:
                 raise
-    elif native:
-        raise ValueError("native=True exports top-k routing (a family's own forward): use routing='topk'")
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     path = Path(path)
     if family is None:
@@ -753,7 +754,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="ckpt.pt or a sharded ckpt/ directory written by mode-train")
     parser.add_argument("out_dir", help="the Hugging Face checkpoint directory to write")
     parser.add_argument("--native", action="store_true", help="refuse a model no transformers family holds")
-    parser.add_argument("--routing", default="topk", choices=["topk", "causal"], help="the modeling file's routing")
+    parser.add_argument(
+        "--routing",
+        default=None,
+        choices=["topk", "causal"],
+        help="the modeling file's routing (default: causal where the model can decide per token, as mode-generate)",
+    )
     args = parser.parse_args(argv)
     model = MoDETransformer.from_checkpoint(args.checkpoint)
     try:
@@ -761,5 +767,8 @@ def main(argv: list[str] | None = None) -> None:
     except (UnsupportedCheckpoint, ValueError) as e:
         raise SystemExit(f"mode-export: {e}") from None
     config = hf_config(out)
-    how = "trust_remote_code=True" if config["model_type"] == "mode_moe" else "no remote code"
+    if config["model_type"] == "mode_moe":
+        how = f"trust_remote_code=True, {config['routing']} routing"
+    else:
+        how = "no remote code"
     print(f"wrote {config['architectures'][0]} to {out} (AutoModelForCausalLM.from_pretrained, {how})")

@@ -251,6 +251,11 @@ class MoDETransformer(nn.Module):
         so ``routing="causal"`` and KV-cache sampling are exact."""
         return not non_causal_layers(self)
 
+    def default_routing(self) -> str:
+        """The routing every tool uses unless told: "causal" where ``supports_causal`` (the one
+        routing that can generate, token by token), else "topk" (as trained)."""
+        return "causal" if self.supports_causal() else "topk"
+
     @torch.no_grad()
     def generate(
         self,

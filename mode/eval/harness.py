@@ -47,7 +47,7 @@ class ModeLM(LM):
         if spec is None:
             raise ValueError(f"{pretrained} names no tokenizer: pass model_args tokenizer=<bytes|tokenizer.json>")
         self.tok = load_tokenizer(spec)
-        self.routing = routing or ("causal" if self.model.supports_causal() else "topk")
+        self.routing = routing or self.model.default_routing()
         if self.routing not in ("topk", "causal"):
             raise ValueError(f"routing={self.routing!r}: choose topk or causal")
         self.device_name = device
