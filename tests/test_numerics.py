@@ -193,6 +193,10 @@ def test_routing_health_metrics_and_collapse_warnings():
     m = routing_metrics(moe)
     assert m["load_max"] == 1.0 and m["load_max_over_mean"] == 4.0
     assert health_warnings(m) == ["layer: one expert takes 100% of the assignments"]
+    one = mode.DroplessMoE(D, 32, 1, top_k=1)  # the upcycling identity's layer: no collapse
+    one(torch.randn(64, D))
+    m = routing_metrics(one)
+    assert m["load_max"] == 1.0 and not health_warnings(m)
 
 
 def test_rope_backward_is_the_inverse_rotation_of_autograd_through_the_formula():
