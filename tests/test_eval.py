@@ -4,6 +4,7 @@ text), on real checkpoints trained here."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -92,6 +93,23 @@ def test_mode_generate_decodes_with_the_models_tokenizer(trained, capsys):
     text = main_generate([str(ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "20", "--top-p", "0.9"])
     assert text.startswith("ROMEO:") and len(text.encode()) >= len("ROMEO:")
     assert text in capsys.readouterr().out
+
+
+def test_mode_generate_reads_escapes_a_prompt_file_and_stdin(trained, tmp_path, monkeypatch):
+    _, ckpt, _ = trained
+    greedy = ["--max-new-tokens", "4", "--temperature", "0"]
+    typed = main_generate([str(ckpt), "--prompt", r"KING:\nWho\tgoes", *greedy])  # as a shell passes it
+    assert typed.startswith("KING:\nWho\tgoes")
+    assert main_generate([str(ckpt), "--prompt", r"a\\n", *greedy]).startswith("a\\n")  # an escaped backslash
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("ROMÉO:\nquoi", encoding="utf-8")  # non-ASCII: its UTF-8 bytes are the prompt
+    from_file = main_generate([str(ckpt), "--prompt-file", str(prompt), *greedy])
+    assert from_file.startswith("ROMÉO:\nquoi")
+    monkeypatch.setattr("sys.stdin", io.StringIO("ROMÉO:\nquoi"))
+    assert main_generate([str(ckpt), "--prompt-file", "-", *greedy]) == from_file
+    prompt.write_bytes(b"\xff\xfe bad")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        main_generate([str(ckpt), "--prompt-file", str(prompt), *greedy])
 
 
 def test_mode_eval_on_a_hugging_face_directory_with_data(tmp_path):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -125,7 +127,9 @@ def main_eval(argv: list[str] | None = None) -> dict:
 def main_generate(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog="mode-generate", description="Sample text from a trained model.")
     parser.add_argument("model", help="a mode-train checkpoint (ckpt.pt or ckpt/) or a Hugging Face directory")
-    parser.add_argument("--prompt", default="\n")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="\n", help=r"the text to continue (\n and \t mean a newline and a tab)")
+    prompt.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file ('-': stdin)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=None)
@@ -141,18 +145,23 @@ def main_generate(argv: list[str] | None = None) -> str:
         parser.error("the model names no tokenizer: give --tokenizer")
     tok = load_tokenizer(spec)
     torch.manual_seed(args.seed)
-    prompt = encode_prompt(tok, args.prompt)
+    prompt = encode_prompt(tok, read_prompt(args.prompt, args.prompt_file))
     out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, top_p=args.top_p, eos_id=tok.eos_id)
     text = tok.decode(out[0].tolist())
     print(text)
     return text
 
 
-def eval_cli() -> None:
-    """The ``mode-eval`` console script (its exit status is 0: ``main_eval`` returns results)."""
-    main_eval()
-
-
-def generate_cli() -> None:
-    """The ``mode-generate`` console script."""
-    main_generate()
+def read_prompt(prompt: str, prompt_file: str | None) -> str:
+    """The prompt ``mode-generate`` continues: ``prompt_file``'s text (UTF-8; "-" reads
+    stdin) or ``prompt`` with the escapes a shell cannot type plainly (``\\n``, ``\\t``,
+    ``\\\\``) read as the characters they name."""
+    if prompt_file == "-":
+        return sys.stdin.read()
+    if prompt_file is not None:
+        try:
+            return Path(prompt_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt-file {prompt_file}: not UTF-8 text ({e})") from e
+    escapes = {"n": "\n", "t": "\t", "\\": "\\"}
+    return re.sub(r"\\([nt\\])", lambda m: escapes[m.group(1)], prompt)
