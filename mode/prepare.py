@@ -175,4 +175,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from mode.cli import run
+
+    run("mode-prepare", main)

@@ -474,4 +474,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from mode.cli import run
+
+    run("mode-train", main)
