@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -186,6 +186,7 @@ class RunLogger:
         self.progress = progress and self.active
         self.append = False
         self.bar: tqdm | None = None
+        self.budget = (0, 0.0)  # (steps, seconds) of the run behind the bar (``steps``)
         self.file = None
         self.last_val = float("nan")
         self.logger_names = list(loggers or [])
@@ -209,10 +210,36 @@ class RunLogger:
         if self.active:
             LOG.warning(message)
 
-    def steps(self, start: int, end: int) -> Iterable[int]:
-        """Step indices ``start .. end - 1`` behind the progress bar."""
-        self.bar = tqdm(range(start, end), disable=not self.progress, desc=self.name, dynamic_ncols=True)
-        return self.bar
+    def steps(self, start: int, end: int, max_seconds: float = 0.0, elapsed: float = 0.0) -> range:
+        """Step indices ``start .. end - 1``, with a progress bar that ``advance`` moves: in
+        steps, or, under a time budget (``max_seconds`` > 0), in percent of whichever of the
+        steps and the seconds runs out first (the schedule's progress), so its estimate of
+        the time left follows the budget. ``elapsed``: seconds a resumed run already spent."""
+        self.budget = (end, max_seconds)
+        if max_seconds:
+            self.bar = tqdm(
+                total=100,
+                initial=self._percent(start, elapsed),
+                disable=not self.progress,
+                desc=self.name,
+                dynamic_ncols=True,
+                bar_format="{desc}: {n:3.0f}% of the budget |{bar}| {elapsed}<{remaining}{postfix}",
+            )
+        else:
+            self.bar = tqdm(
+                total=end, initial=start, disable=not self.progress, desc=self.name, dynamic_ncols=True, unit="step"
+            )
+        return range(start, end)
+
+    def _percent(self, done: int, elapsed: float) -> float:
+        end, max_seconds = self.budget
+        return min(100.0, 100 * max(done / max(end, 1), elapsed / max_seconds))
+
+    def advance(self, done: int, elapsed: float) -> None:
+        """Move the progress bar to step ``done`` after ``elapsed`` seconds of training."""
+        if self.bar is not None:
+            at = self._percent(done, elapsed) if self.budget[1] else done
+            self.bar.update(at - self.bar.n)
 
     def record(self, values: dict) -> None:
         """Append one step's record to ``metrics.jsonl`` and show its losses on the bar."""
@@ -228,7 +255,10 @@ class RunLogger:
                 sink.log(scalars(values), int(values["step"]))
         self.last_val = values.get("val_loss", self.last_val)
         if self.bar is not None and self.progress:
-            self.bar.set_postfix(loss=f"{values['loss']:.3f}", val=f"{self.last_val:.3f}")
+            shown = {"step": values["step"], "loss": f"{values['loss']:.3f}"}
+            if not math.isnan(self.last_val):  # no evaluation yet: no validation loss to show
+                shown["val"] = f"{self.last_val:.3f}"
+            self.bar.set_postfix(shown)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -378,7 +378,7 @@ def _train_steps(run: Run, stop_at: int | None) -> tuple[MoDETransformer, TrainR
     timer = telemetry.StepTimer(run.device)
     profiler = telemetry.StepProfiler(tc.out_dir, list(tc.profile_steps), run.rank_and_world[0])
     run.model.train()
-    for step in run.log.steps(run.start_step, tc.steps):
+    for step in run.log.steps(run.start_step, tc.steps, tc.max_seconds, run.elapsed):
         if tc.max_seconds and elapsed >= tc.max_seconds:
             break  # a resumed run whose time budget was already spent
         t_batch, done = time.perf_counter(), step + 1
@@ -399,6 +399,7 @@ def _train_steps(run: Run, stop_at: int | None) -> tuple[MoDETransformer, TrainR
         worst_run = torch.maximum(worst_run, bad_run)
         elapsed = mean_over_ranks(elapsed + time.perf_counter() - t_batch, run.ctx)  # every rank stops alike
         out_of_time = bool(tc.max_seconds and elapsed >= tc.max_seconds) or done == stop_at
+        run.log.advance(done, elapsed)
         evaluating = done % tc.eval_every == 0 or done == tc.steps or out_of_time
         if not (done % tc.log_every == 0 or evaluating or saving):
             continue

@@ -109,3 +109,16 @@ def test_the_last_line_reports_causal_routing_only_for_a_model_that_has_it(tmp_p
     dense, mod = [line for line in capsys.readouterr().out.splitlines() if "median step" in line]
     assert dense.startswith("dense:") and "causal" not in dense and "nan" not in dense, dense
     assert mod.startswith("mod:") and "causal-routing val loss" in mod and "nan" not in mod, mod
+
+
+def test_the_progress_bar_follows_a_time_budget_and_shows_no_loss_before_one_exists(tmp_path, capsys):
+    """A run the time budget ends (100000 steps, 3 s) fills its bar to 100% of the budget, not
+    a few steps of 100000; before the first evaluation no validation loss is shown (no nan)."""
+    overrides = ["train.progress=true", "train.steps=100000", "train.max_seconds=3", "train.eval_every=100000"]
+    train(load_config("dense", [*TINY, *overrides, f"train.out_dir={tmp_path / 'time'}"]))
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    shown = [line for line in bar if "of the budget" in line]
+    assert shown and "100% of the budget" in shown[-1] and "/100000" not in "".join(bar), shown[-3:]
+    assert not any("nan" in line for line in shown[:-1]), shown
+    train(load_config("dense", [*TINY, "train.progress=true", "train.steps=3", f"train.out_dir={tmp_path / 'steps'}"]))
+    assert "3/3" in capsys.readouterr().err
