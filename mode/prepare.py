@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from mode.data import prepare_shakespeare, text_bytes_per_token
-from mode.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from mode.tokenizer import CONFIG_NAME, ByteTokenizer, load_tokenizer, train_bpe
 
 __all__ = ["main", "prepare"]
 
@@ -102,6 +102,7 @@ def prepare(
         "vocab_size": tok.vocab_size,
         "tokenizer": spec,
         "eos_id": tok.eos_id,
+        "eos": tok.eos_how,  # how the end-of-text token was found (documents are joined by it)
         "dtype": np.dtype(dtype).name,
         **counts,
         "bytes_per_token": text_bytes_per_token(tok, tokens[-n_val:]),
@@ -131,7 +132,7 @@ def _earlier_preparation(out: Path) -> tuple[list[Path], list[Path]]:
         else:
             names = {p.name for p in present if SHARD_NAME.fullmatch(p.name)}
         if meta.get("tokenizer") == "tokenizer.json":
-            names.add("tokenizer.json")
+            names |= {"tokenizer.json", CONFIG_NAME}
     except (ValueError, AttributeError, TypeError):
         return [], present  # not a meta.json of ours: nothing there is ours to remove
     names.add("meta.json")
@@ -172,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.out}: {meta['train_tokens']} train + {meta['val_tokens']} val ids, vocabulary {meta['vocab_size']} "
         f"({meta['tokenizer']}), {meta['bytes_per_token']:.3f} bytes per token"
     )
+    if meta["tokenizer"] != "bytes":
+        joined = "documents joined by it" if meta["eos_id"] is not None else "documents joined with no separator"
+        print(f"end of text: {meta['eos']} ({joined})")
 
 
 if __name__ == "__main__":

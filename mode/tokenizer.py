@@ -3,13 +3,15 @@
 ``load_tokenizer(spec)``: ``"bytes"``, a ``tokenizer.json`` file, or a directory holding one
 (a Hugging Face model directory, or a directory ``mode-prepare`` wrote). ``train_bpe`` trains a
 byte-level BPE on text files, offline. Both kinds share ``encode(text) -> list[int]``,
-``decode(ids) -> str``, ``vocab_size`` and ``eos_id`` (the end-of-text id, or None).
+``decode(ids) -> str``, ``vocab_size`` and ``eos_id`` (the end-of-text id, or None: the token
+a ``tokenizer_config.json`` beside the ``tokenizer.json`` declares, else one of the usual names).
 
 ``tokenizers`` comes with the ``hf`` extra; bytes need nothing.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -36,7 +38,8 @@ class ByteTokenizer:
 
     name = "bytes"
     vocab_size = 256
-    eos_id = None
+    eos_id = eos_token = None
+    eos_how = "none: bytes have no end-of-text id"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -47,14 +50,28 @@ class ByteTokenizer:
     decode_text = decode
 
 
-class BPETokenizer:
-    """A ``tokenizers.Tokenizer`` (a ``tokenizer.json``); ``name`` is the file it came from."""
+END_OF_TEXT_NAMES = (EOT, "</s>", "<eos>", "<|end_of_text|>")  # tried when none is declared
+CONFIG_NAME = "tokenizer_config.json"  # beside a tokenizer.json: its declared special tokens
+CONFIG_MAX_BYTES = 1 << 24
 
-    def __init__(self, tokenizer, name: str) -> None:
+
+class BPETokenizer:
+    """A ``tokenizers.Tokenizer`` (a ``tokenizer.json``); ``name`` is the file it came from.
+    ``eos_id``: the id of ``eos_token`` (declared: ``tokenizer_config.json``'s), else of the
+    first of ``END_OF_TEXT_NAMES`` the vocabulary holds, else None; ``eos_how`` says which."""
+
+    def __init__(self, tokenizer, name: str, eos_token: str | None = None) -> None:
         self.tokenizer, self.name = tokenizer, name
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        ends = (tokenizer.token_to_id(t) for t in (EOT, "</s>", "<eos>"))
-        self.eos_id = next((i for i in ends if i is not None), None)
+        self.eos_id, self.eos_token, self.eos_how = None, None, "none: the tokenizer declares no end-of-text token"
+        if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
+            self.eos_id, self.eos_token = tokenizer.token_to_id(eos_token), eos_token
+            self.eos_how = f"{eos_token!r}, declared in {CONFIG_NAME}"
+            return
+        for token in END_OF_TEXT_NAMES:
+            if tokenizer.token_to_id(token) is not None:
+                self.eos_id, self.eos_token, self.eos_how = tokenizer.token_to_id(token), token, f"{token!r}, by name"
+                return
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -67,7 +84,33 @@ class BPETokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, path: str | Path) -> None:
+        """``path``: the ``tokenizer.json``; its end-of-text token, when it has one, is declared
+        in ``tokenizer_config.json`` beside it (as Hugging Face directories declare it)."""
         self.tokenizer.save(str(path))
+        if self.eos_token is not None:
+            config = {"eos_token": self.eos_token, "tokenizer_class": "PreTrainedTokenizerFast"}
+            (Path(path).parent / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def declared_eos_token(tokenizer_file: Path) -> str | None:
+    """``eos_token`` of the ``tokenizer_config.json`` beside ``tokenizer_file`` (a string, or
+    an added-token object's ``content``), or None when there is no such file or field.
+    ``ValueError`` naming the file when it is not a JSON object or too large for one."""
+    config = tokenizer_file.parent / CONFIG_NAME
+    if not config.is_file():
+        return None
+    if config.stat().st_size > CONFIG_MAX_BYTES:
+        raise ValueError(f"{config} is {config.stat().st_size} bytes: too large for a tokenizer config")
+    try:
+        fields = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config} is not JSON ({e})") from e
+    if not isinstance(fields, dict):
+        raise ValueError(f"{config} holds a {type(fields).__name__}, not an object")
+    token = fields.get("eos_token")
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) and token else None
 
 
 def load_tokenizer(spec: str | Path) -> ByteTokenizer | BPETokenizer:
@@ -86,7 +129,7 @@ def load_tokenizer(spec: str | Path) -> ByteTokenizer | BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer  # noqa: PLC0415  (the hf extra)
     except ImportError as e:
         raise ImportError("a tokenizer.json needs the tokenizers package: pip install 'mode-moe[hf]'") from e
-    return BPETokenizer(HFTokenizer.from_file(str(path)), str(path))
+    return BPETokenizer(HFTokenizer.from_file(str(path)), str(path), declared_eos_token(path))
 
 
 def train_bpe(files: list[str | Path], vocab_size: int) -> BPETokenizer:

@@ -165,3 +165,61 @@ def test_bytes_per_token_counts_utf8_bytes_of_non_ascii_text(tmp_path, bpe):
     assert meta["bytes_per_token"] == pytest.approx(val_bytes / val_ids, rel=0.01)
     if not bpe:  # every id is one byte (a character cut at the split decodes to U+FFFD: 3 bytes)
         assert meta["bytes_per_token"] == pytest.approx(1.0, abs=0.01)
+
+
+def bpe_directory(tmp_path, text_file, special: list[str], declared: str | None):
+    """A Hugging Face style tokenizer directory: a byte-level BPE of 300 ids with ``special``
+    tokens, and a ``tokenizer_config.json`` declaring ``declared`` as its end of text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train([str(text_file)], trainers.BpeTrainer(vocab_size=300, special_tokens=special, initial_alphabet=alphabet))
+    out = tmp_path / "published"
+    out.mkdir()
+    tok.save(str(out / "tokenizer.json"))
+    if declared is not None:
+        config = {"eos_token": {"content": declared, "special": True}, "bos_token": "<|begin_of_text|>"}
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_declared_end_of_text_token_is_used_by_prepare_and_kept(text_file, tmp_path, capsys):
+    """Llama-3 naming: ``<|eot_id|>`` declared in tokenizer_config.json, beside
+    ``<|begin_of_text|>``, is the end of text (it was found by name only, so: none)."""
+    from mode.prepare import main as prepare_main
+
+    published = bpe_directory(tmp_path, text_file, ["<|begin_of_text|>", "<|eot_id|>"], "<|eot_id|>")
+    tok = load_tokenizer(published)
+    eot = tok.tokenizer.token_to_id("<|eot_id|>")
+    assert tok.eos_id == eot and "declared in tokenizer_config.json" in tok.eos_how
+    second = tmp_path / "second.txt"
+    second.write_text("A second document.")
+    prepare_main([str(text_file), str(second), "--out", str(tmp_path / "prep"), "--tokenizer", str(published)])
+    said = capsys.readouterr().out
+    assert "end of text: '<|eot_id|>', declared in tokenizer_config.json (documents joined by it)" in said
+    corpus = load_corpus(str(tmp_path / "prep"), 32)
+    ids = np.concatenate([np.asarray(corpus.train.tokens), np.asarray(corpus.val.tokens)])
+    assert (ids == eot).sum() == 1  # one separator between the two documents
+    assert load_tokenizer(tmp_path / "prep").eos_id == eot  # the prepared directory declares it too
+
+
+def test_a_tokenizer_without_an_end_of_text_token_says_so(text_file, tmp_path, capsys):
+    from mode.prepare import main as prepare_main
+
+    published = bpe_directory(tmp_path, text_file, ["<|begin_of_text|>"], None)
+    assert load_tokenizer(published).eos_id is None
+    prepare_main([str(text_file), "--out", str(tmp_path / "prep"), "--tokenizer", str(published)])
+    assert "end of text: none: the tokenizer declares no end-of-text token (documents joined with no separator)" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{not json"])
+def test_a_damaged_tokenizer_config_is_named(text_file, tmp_path, text):
+    published = bpe_directory(tmp_path, text_file, ["<|eot_id|>"], "<|eot_id|>")
+    (published / "tokenizer_config.json").write_text(text)
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        load_tokenizer(published)

@@ -25,7 +25,7 @@ import torch
 
 from mode.model import MoDETransformer
 from mode.routed import routing_metrics
-from mode.tokenizer import encode_prompt, load_tokenizer
+from mode.tokenizer import ByteTokenizer, encode_prompt, load_tokenizer
 
 __all__ = ["evaluate_split", "load_model", "main_eval", "main_generate"]
 
@@ -146,6 +146,11 @@ def main_generate(argv: list[str] | None = None) -> str:
     tok = load_tokenizer(spec)
     torch.manual_seed(args.seed)
     prompt = encode_prompt(tok, read_prompt(args.prompt, args.prompt_file))
+    if tok.eos_id is None and not isinstance(tok, ByteTokenizer):
+        print(
+            f"mode-generate: {tok.name} declares no end-of-text token: all {args.max_new_tokens} tokens are sampled",
+            file=sys.stderr,
+        )
     out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, top_p=args.top_p, eos_id=tok.eos_id)
     text = tok.decode(out[0].tolist())
     print(text)
