@@ -1,5 +1,5 @@
 """The console scripts (``mode-train``, ``mode-export``, ``mode-prepare``, ``mode-eval``,
-``mode-generate``): each runs its module's ``main`` and prints a user's mistake (a bad option,
+``mode-generate``, ``mode-lm-eval``): each runs its module's ``main`` and prints a user's mistake (a bad option,
 a missing or refused file: the errors ``USER_ERRORS`` lists, which name the field and the fix)
 as one message on stderr with exit status 2, not a traceback around it. ``MODE_DEBUG=1`` in
 the environment shows the traceback. Python callers of each ``main`` get the exception itself.
@@ -64,3 +64,22 @@ def generate() -> None:
     from mode.eval import main_generate  # noqa: PLC0415
 
     run("mode-generate", main_generate)
+
+
+def lm_eval() -> None:
+    """lm-evaluation-harness's own command line (``lm-eval run`` arguments) with this library's
+    model registered as ``mode``; ``--model`` defaults to it. Needs the ``eval`` extra."""
+    try:
+        from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
+
+        import mode.eval.harness  # noqa: F401, PLC0415  (registers the model "mode")
+    except ImportError as e:
+        print(f"mode-lm-eval: {e}: pip install 'mode-moe[eval]'", file=sys.stderr)
+        sys.exit(2)
+    args = sys.argv[1:]
+    if not args or args[0].startswith("-"):  # lm-eval's legacy form: the run subcommand
+        args = ["run", *args]
+    if args[0] == "run" and not any(a == "--model" or a.startswith("--model=") for a in args):
+        args = ["run", "--model", "mode", *args[1:]]
+    sys.argv[1:] = args
+    run("mode-lm-eval", cli_evaluate)

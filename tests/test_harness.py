@@ -137,3 +137,49 @@ def test_loglikelihood_scores_the_continuation_by_the_models_forward(checkpoint)
 
     [(score, is_greedy)] = ours.loglikelihood([Request()])
     assert score == pytest.approx(want, abs=1e-4) and is_greedy == greedy
+
+
+def test_the_mode_lm_eval_command_runs_lm_evals_own_cli_on_the_cpu(checkpoint, tmp_path):
+    """``mode-lm-eval`` (lm-eval's command line with the model registered): its default
+    ``--model`` is ours, lm-eval's default device ``cuda:0`` becomes the CPU here (said), and
+    the accuracy it writes is the one our forward gives."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mode.eval.harness import ModeLM
+
+    write_tasks(tmp_path)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    command = [str(Path(sys.executable).parent / "mode-lm-eval"), "--model_args", f"pretrained={checkpoint}"]
+    command += ["--tasks", "mode_choice", "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if not torch.cuda.is_available():
+        assert "'cuda:0' but this torch has no CUDA device: using cpu" in done.stderr
+    [written] = list((tmp_path / "out").rglob("results*.json"))
+    acc = json.loads(written.read_text())["results"]["mode_choice"]["acc,none"]
+    ours = ModeLM(str(checkpoint))
+    right = [
+        max(range(len(d["choices"])), key=lambda i: ours.loglikelihood_one(d["question"], " " + d["choices"][i])[0])
+        == d["label"]
+        for d in CHOICE
+    ]
+    assert acc == pytest.approx(sum(right) / len(right))
+
+
+def test_mode_lm_eval_names_a_missing_checkpoint_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    write_tasks(tmp_path)
+    command = [str(Path(sys.executable).parent / "mode-lm-eval"), "--model_args", f"pretrained={tmp_path}/none.pt"]
+    command += ["--tasks", "mode_choice", "--include_path", str(tmp_path), "--device", "cpu"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "mode-lm-eval: " in done.stderr and f"{tmp_path}/none.pt\n" in done.stderr

@@ -11,10 +11,14 @@ a model whose routed layers decide per token: no token's score looks at later to
 model's ``seq_len``; longer inputs keep their last ``seq_len`` tokens.
 
 Requires the ``eval`` extra (``pip install 'mode-moe[eval]'``). Importing this module
-registers the model under the name ``mode``.
+registers the model under the name ``mode``; the ``mode-lm-eval`` command is lm-eval's own
+command line with it registered (``--model mode`` by default). ``device``: as ``train.device``
+(default "auto"; a CUDA device asked for on a machine without one is the CPU, said on stderr).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +26,23 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from mode.eval import load_model
+from mode.telemetry import resolve_device
 from mode.tokenizer import load_tokenizer
 
-__all__ = ["ModeLM"]
+__all__ = ["ModeLM", "harness_device"]
+
+
+def harness_device(name: str | None) -> torch.device:
+    """The device for ``device=name``, resolved as ``train.device`` is: None or "auto" is the
+    first CUDA device when there is one, else the CPU. lm-eval's command line passes
+    ``cuda:0`` unless told otherwise: on a machine without CUDA that is the CPU, said on stderr."""
+    if name is None or name == "auto":
+        return resolve_device("auto")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"mode (lm-eval model): device {name!r} but this torch has no CUDA device: using cpu", file=sys.stderr)
+        return torch.device("cpu")
+    return device
 
 
 @register_model("mode")
@@ -37,12 +55,14 @@ class ModeLM(LM):
         tokenizer: str | None = None,
         routing: str | None = None,
         batch_size: int | str = 1,
-        device: str = "cpu",
+        device: str | None = "auto",
         **kwargs,
     ) -> None:
         super().__init__()
+        device = str(harness_device(device))
         model, data = load_model(pretrained)
         self.model = model.to(device).eval()
+        self._device = torch.device(device)
         spec = tokenizer or data["tokenizer"]
         if spec is None:
             raise ValueError(f"{pretrained} names no tokenizer: pass model_args tokenizer=<bytes|tokenizer.json>")
