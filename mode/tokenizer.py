@@ -113,6 +113,28 @@ def declared_eos_token(tokenizer_file: Path) -> str | None:
     return token if isinstance(token, str) and token else None
 
 
+def vocabulary(tokenizer: ByteTokenizer | BPETokenizer) -> dict[str, int] | str:
+    """What fixes a tokenizer's ids: "bytes", or a BPE's token -> id map (added tokens too).
+    Two tokenizers with equal vocabularies give a text the same ids' meaning."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return "bytes"
+    return tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+
+
+def check_same_tokenizer(given: str | Path, expected: str | Path, what: str, fix: str) -> None:
+    """``ValueError`` when the tokenizers ``given`` and ``expected`` (``load_tokenizer`` specs)
+    map tokens to different ids: ``what`` names the one ``expected`` belongs to, ``fix`` the way out."""
+    a, b = load_tokenizer(given), load_tokenizer(expected)
+    va, vb = vocabulary(a), vocabulary(b)
+    if va == vb:
+        return
+    sizes = f"{a.vocab_size} vs {b.vocab_size} tokens"
+    if isinstance(va, dict) and isinstance(vb, dict):
+        differ = len(set(va.items()) ^ set(vb.items()))
+        sizes += f", {differ} token/id pairs differ"
+    raise ValueError(f"the tokenizer {a.name} is not {what}'s ({b.name}): {sizes}; {fix}")
+
+
 def load_tokenizer(spec: str | Path) -> ByteTokenizer | BPETokenizer:
     """``"bytes"``, a ``tokenizer.json`` or a directory holding one -> its tokenizer."""
     if str(spec) == "bytes":

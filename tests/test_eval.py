@@ -121,3 +121,31 @@ def test_mode_eval_on_a_hugging_face_directory_with_data(tmp_path):
     text.write_text("to be or not to be " * 2000)
     results = main_eval([str(tmp_path / "llama"), "--data", str(text), "--max-batches", "2"])
     assert results["topk"]["tokens"] == 2 * 8 * 64 and "causal" in results  # a dense model decides per token
+
+
+def test_mode_eval_says_which_share_it_scores_and_whole_scores_every_byte(trained, capsys):
+    """A text's validation split is its last 5% (said, with the share); ``--whole`` scores
+    every window of the file: the file's bytes, counted here, are its tokens."""
+    model, ckpt, cfg = trained
+    size, T = len(open(cfg.data.source, "rb").read()), cfg.model.seq_len
+    part = main_eval([str(ckpt), "--max-batches", "1"])
+    said = capsys.readouterr().out
+    n_val = max(T + 2, int(size * cfg.data.val_fraction))
+    assert f"the validation split, {n_val} of {size} ids ({n_val / size:.1%}, the last ones)" in said
+    whole = main_eval([str(ckpt), "--whole", "--batch-size", "64"])
+    assert f"every token, {size} ids" in capsys.readouterr().out
+    assert whole["split"] == "whole" and part["split"] == "val"
+    assert whole["topk"]["tokens"] == (size - 1) // T * T
+    # bytes: one byte per token, so bits per byte is bits per token, over the whole file too
+    assert whole["topk"]["bits_per_byte"] == pytest.approx(whole["topk"]["bits_per_token"])
+
+
+def test_mode_eval_refuses_a_tokenizer_that_is_not_the_models(trained, tmp_path):
+    pytest.importorskip("tokenizers")
+    from mode.tokenizer import train_bpe
+
+    model, ckpt, cfg = trained
+    train_bpe([cfg.data.source], 300).save(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"tokenizer .*tokenizer.json is not the model .*'s \(bytes\): 300 vs 256"):
+        main_eval([str(ckpt), "--tokenizer", str(tmp_path / "tokenizer.json")])
+    assert main_eval([str(ckpt), "--tokenizer", "bytes", "--max-batches", "1"])["tokenizer"] == "bytes"

@@ -4,11 +4,13 @@
     mode-eval path/to/llama --data data/tok          # a Hugging Face directory on prepared data
     mode-generate runs/mod/ckpt.pt --prompt "ROMEO:" --max-new-tokens 200 --top-p 0.9
 
-``mode-eval`` reads the whole validation split once, in consecutive windows of ``seq_len``
+``mode-eval`` reads the whole validation split once (a text's last ``data.val_fraction``,
+said with its share; ``--whole``: every token), in consecutive windows of ``seq_len``
 (every token predicted once, the last partial window left out), and reports the loss per
 token, bits per byte (bits per token when the data's bytes per token are unknown) and each
 routing metric's mean, in top-k routing and, for a model whose layers decide per token, in
-causal routing; ``--json`` writes the same numbers.
+causal routing; ``--json`` writes the same numbers. A ``--tokenizer`` whose ids differ from
+the model's own tokenizer is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from mode.model import MoDETransformer
 from mode.routed import routing_metrics
-from mode.tokenizer import ByteTokenizer, encode_prompt, load_tokenizer
+from mode.tokenizer import ByteTokenizer, check_same_tokenizer, encode_prompt, load_tokenizer
 
 __all__ = ["evaluate_split", "load_model", "main_eval", "main_generate"]
 
@@ -92,28 +94,47 @@ def main_eval(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0: the whole split)")
+    parser.add_argument(
+        "--whole", action="store_true", help="score every token of the data (default: its validation split)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    from mode.data import load_corpus  # noqa: PLC0415
+    from mode.data import load_corpus, text_bytes_per_token  # noqa: PLC0415
 
     model, data = load_model(args.model)
     source = args.data or data["source"]
     if source is None:
         parser.error("a Hugging Face directory names no data: give --data")
+    if args.tokenizer is not None and data["tokenizer"] is not None:
+        fix = "leave out --tokenizer (the model's is used) or prepare the data with the model's tokenizer"
+        check_same_tokenizer(args.tokenizer, data["tokenizer"], f"the model {args.model}", fix)
     tokenizer = args.tokenizer or (data["tokenizer"] if args.data is None or Path(source).is_file() else None)
     corpus = load_corpus(source, model.cfg.seq_len, data["val_fraction"], args.cache_dir, tokenizer or "bytes")
     if corpus.vocab_size > model.cfg.vocab_size:
         raise SystemExit(
             f"mode-eval: the data's ids need {corpus.vocab_size} > model.vocab_size={model.cfg.vocab_size}"
         )
+    tokens, per_token = corpus.val.tokens, corpus.bytes_per_token
+    total = len(corpus.train.tokens) + len(tokens)
+    if args.whole:
+        tokens = np.concatenate([np.asarray(corpus.train.tokens), np.asarray(tokens)])
+        if corpus.tokenizer not in (None, "bytes"):  # bytes per token of the whole text, not the split's
+            per_token = text_bytes_per_token(load_tokenizer(corpus.tokenizer), tokens)
+        print(f"{source}: every token, {total} ids")
+    else:
+        print(
+            f"{source}: the validation split, {len(tokens)} of {total} ids ({len(tokens) / total:.1%}, the "
+            "last ones); --whole scores every token"
+        )
     results = {"model": str(args.model), "data": source, "tokenizer": corpus.tokenizer}
+    results["split"] = "whole" if args.whole else "val"
     routings = ["topk", "causal"] if model.supports_causal() else ["topk"]
     for routing in routings:
-        loss, n, metrics = evaluate_split(model, corpus.val.tokens, args.batch_size, routing, args.max_batches)
+        loss, n, metrics = evaluate_split(model, tokens, args.batch_size, routing, args.max_batches)
         bits = loss / math.log(2)
         row = {"loss": loss, "tokens": n, "bits_per_token": bits, "metrics": metrics}
-        if corpus.bytes_per_token:
-            row["bits_per_byte"] = bits / corpus.bytes_per_token
+        if per_token:
+            row["bits_per_byte"] = bits / per_token
         results[routing] = row
         per_byte = f", {row['bits_per_byte']:.4f} bits/byte" if "bits_per_byte" in row else ""
         print(f"{routing:>6} routing: loss {loss:.4f} nats/token over {n} tokens ({bits:.4f} bits/token{per_byte})")
