@@ -33,7 +33,7 @@ from mode import checkpoint, run_dir, telemetry
 from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
 from mode.convert import HF_PREFIX, hf_source_config, is_hf, upcycle, with_dense_shape
-from mode.data import Corpus, TokenSplit, load_corpus
+from mode.data import Corpus, TokenSplit, load_corpus, source_tokenizer
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import any_kind
 from mode.model import MoDETransformer
@@ -42,7 +42,7 @@ from mode.parallel.parallelize import init_parallel, parallelize_model
 from mode.precision import PRECISION_DTYPES, autocast, resolve
 from mode.routed import health_warnings, routing_metrics
 from mode.step import LMObjective, NonFiniteTrainingError, StepResult, build_optimizer, lr_at, train_step
-from mode.tokenizer import encode_prompt, load_tokenizer
+from mode.tokenizer import check_same_tokenizer, encode_prompt, load_tokenizer
 
 
 def rank_rows(batch_size: int, ctx: ParallelContext | None) -> slice:
@@ -114,8 +114,33 @@ def _fit_vocab(model_cfg: ModelConfig, corpus: Corpus) -> ModelConfig:
     if corpus.vocab_size <= model_cfg.vocab_size:
         return model_cfg
     if corpus.tokenizer in (None, "bytes"):
-        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is too small: the data needs {corpus.vocab_size}")
+        raise ValueError(
+            f"model.vocab_size={model_cfg.vocab_size} is too small: the data's ids need {corpus.vocab_size} "
+            "(data of another tokenizer?)"
+        )
     return dataclasses.replace(model_cfg, vocab_size=corpus.vocab_size)
+
+
+def data_tokenizer(cfg: Config) -> str:
+    """Which tokenizer the run's data are in, said in the run's first line. A run started from
+    a published model (``train.init_from=hf:<dir>``) that has a ``tokenizer.json`` must train
+    on data in that tokenizer: other data (bytes, or a directory prepared with another) are
+    refused by name (``ValueError``); token files (no tokenizer known) are taken as its ids."""
+    spec = source_tokenizer(cfg.data.source, cfg.data.tokenizer)
+    said = "token ids of no known tokenizer" if spec is None else spec
+    if not is_hf(cfg.train.init_from):
+        return said
+    hf_dir = Path(str(cfg.train.init_from).removeprefix(HF_PREFIX))
+    if not (hf_dir / "tokenizer.json").is_file():
+        return f"{said} (the published model {hf_dir} has no tokenizer.json to compare with)"
+    if spec is None:
+        return f"{said}, taken as the ids of {hf_dir / 'tokenizer.json'}"
+    fix = (
+        f"train on data in its tokenizer: mode-prepare <text files> --out DIR --tokenizer {hf_dir}, then "
+        "data.source=DIR (or data.tokenizer=" + str(hf_dir) + " for a text file)"
+    )
+    check_same_tokenizer(spec, hf_dir, f"the published model {hf_dir}", fix)
+    return f"{spec}, the published model's"
 
 
 @dataclass
@@ -170,6 +195,7 @@ class Run:
         device = ctx.device if ctx else telemetry.resolve_device(tc.device)
         precision = resolve(tc.precision, device)
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
+        tokenizer = data_tokenizer(cfg)
         data = load_corpus(
             cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir, cfg.data.tokenizer
         )
@@ -203,7 +229,8 @@ class Run:
         fused = "fused" if opt.param_groups[0].get("fused") else "foreach"
         log.say(
             f"{cfg.name}: device {device}, precision {precision}, {compiled}, {fused} AdamW, {layout}; "
-            f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how}){resumed}"
+            f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how}); data {cfg.data.source}, "
+            f"tokenizer {tokenizer}{resumed}"
         )
         log.write_json("config.json", config)
         world = ctx.world_size if ctx else 1

@@ -38,10 +38,16 @@ def test_the_hugging_face_commands_run_at_tiny_size(tmp_path):
 
     section = README.split("## From and to Hugging Face", 1)[1]
     commands = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0]
-    hf_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    from mode.data import prepare_shakespeare
+    from mode.tokenizer import train_bpe
+
+    hf_model("llama", vocab_size=320).save_pretrained(tmp_path / "llama")  # its tokenizer: 300 ids + padding
+    (tmp_path / "text.txt").write_bytes(prepare_shakespeare("data").read_bytes()[:100_000])
+    train_bpe([tmp_path / "text.txt"], 300).save(tmp_path / "llama" / "tokenizer.json")
     tiny = "model.seq_len=32 train.steps=2 train.eval_every=2 train.eval_batches=1 train.batch_size=2"
     tiny += " train.progress=false train.max_seconds=0"
     script = commands.replace("path/to/llama", str(tmp_path / "llama")).replace("runs/", f"{tmp_path}/runs/")
+    script = script.replace("data/hf", f"{tmp_path}/data/hf")
     script = script.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
     extra = {"mode-train": f" {tiny}", "mode-eval": " --max-batches 2"}
     script = "\n".join(
@@ -52,7 +58,7 @@ def test_the_hugging_face_commands_run_at_tiny_size(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "moe_hf").eval()
     model = MoDETransformer(checkpoint_config(tmp_path / "runs" / "moe" / "ckpt.pt").model)
     load_checkpoint(tmp_path / "runs" / "moe" / "ckpt.pt", model)
-    idx = torch.randint(0, 256, (2, 16))
+    idx = torch.randint(0, 300, (2, 16))
     with torch.no_grad():
         assert_close(back(idx).logits, model.eval()(idx)[0], "model")
     staged = MoDETransformer.from_checkpoint(tmp_path / "runs" / "staged" / "ckpt.pt")
