@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from mode import checkpoint, run_dir, telemetry
 from mode.compile import compile_enabled
-from mode.config import Config, ModelConfig, load_config, preset_names, to_dict
+from mode.config import Config, ModelConfig, from_dict, load_config, preset_names, to_dict
 from mode.convert import HF_PREFIX, hf_source_config, is_hf, upcycle, with_dense_shape
 from mode.data import Corpus, TokenSplit, load_corpus, source_tokenizer
 from mode.flops import print_flops, train_flops_per_step
@@ -121,6 +121,64 @@ def _fit_vocab(model_cfg: ModelConfig, corpus: Corpus) -> ModelConfig:
     return dataclasses.replace(model_cfg, vocab_size=corpus.vocab_size)
 
 
+def _flat(values: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _weight_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in MoDETransformer(model_cfg).state_dict().items()}
+
+
+def resumed_model_config(cfg: Config) -> tuple[ModelConfig, str, str] | None:
+    """On ``train.resume`` with a checkpoint in ``train.out_dir``: the model config it was
+    trained with (so a run started from a published model resumes without ``--init-from``, and
+    without the published directory), and what the run's first line says of it; None when
+    there is nothing to resume. A ``model.*`` value that the command line chose (it differs
+    from ``cfg.name``'s preset) and that differs from the checkpoint's is kept where the
+    checkpoint's weights still fit it (e.g. a loss coefficient); where they do not, a
+    ``ValueError`` names the fields in one line. The third item: the run's ``train.init_from``
+    (the command line's, else the checkpoint's), so a resume keeps saying where it started."""
+    if not cfg.train.resume:
+        return None
+    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    found = checkpoint.latest(Path(cfg.train.out_dir) / ("ckpt" if sharded else "ckpt.pt"))
+    if found is None:
+        return None
+    stored = checkpoint.checkpoint_config(found)
+    try:
+        preset = _flat(to_dict(load_config(cfg.name))["model"])
+    except (ValueError, FileNotFoundError):  # not a preset's name: every field counts as chosen
+        preset = {}
+    given, kept = _flat(to_dict(cfg)["model"]), _flat(to_dict(stored)["model"])
+    chosen = {k: v for k, v in given.items() if v != kept[k] and (k not in preset or preset[k] != v)}
+    init_from = cfg.train.init_from or stored.train.init_from
+    if not chosen:
+        return stored.model, f"model from {found}", init_from
+    merged = from_dict({**to_dict(stored), "model": {**to_dict(stored)["model"]}})
+    for key, value in chosen.items():
+        target = merged.model
+        *path, last = key.split(".")
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, last, value)
+    merged = from_dict(to_dict(merged))  # validated again
+    if _weight_shapes(merged.model) != _weight_shapes(stored.model):
+        said = ", ".join(f"model.{k}={v!r} (the checkpoint's: {kept[k]!r})" for k, v in sorted(chosen.items()))
+        raise ValueError(
+            f"train.resume: {said} would not load {found}: its weights are another shape; leave "
+            f"{'them' if len(chosen) > 1 else 'it'} out to resume, or start a new run in another train.out_dir"
+        )
+    changed = ", ".join(f"model.{k}={v!r}" for k, v in sorted(chosen.items()))
+    return merged.model, f"model from {found}, with {changed} from the command line", init_from
+
+
 def data_tokenizer(cfg: Config) -> str:
     """Which tokenizer the run's data are in, said in the run's first line. A run started from
     a published model (``train.init_from=hf:<dir>``) that has a ``tokenizer.json`` must train
@@ -172,7 +230,10 @@ class Run:
         tc = cfg.train
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        if is_hf(tc.init_from):  # a published model defines the shape (mode.convert.with_dense_shape)
+        resumed, model_said = resumed_model_config(cfg), ""
+        if resumed is not None:  # the checkpoint's model: no published directory needed again
+            cfg.model, model_said, tc.init_from = resumed
+        elif is_hf(tc.init_from):  # a published model defines the shape (mode.convert.with_dense_shape)
             cfg.model = with_dense_shape(cfg.model, hf_source_config(tc.init_from))
         ctx = init_parallel(cfg)
         lock = None
@@ -181,7 +242,7 @@ class Run:
         if ctx is not None:
             dist.barrier()
         try:
-            return cls._start(cfg, model, ctx, lock)
+            return cls._start(cfg, model, ctx, lock, model_said)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -189,7 +250,12 @@ class Run:
 
     @classmethod
     def _start(
-        cls, cfg: Config, model: MoDETransformer | None, ctx: ParallelContext | None, lock: run_dir.RunLock | None
+        cls,
+        cfg: Config,
+        model: MoDETransformer | None,
+        ctx: ParallelContext | None,
+        lock: run_dir.RunLock | None,
+        model_said: str = "",
     ) -> Run:
         tc = cfg.train
         device = ctx.device if ctx else telemetry.resolve_device(tc.device)
@@ -217,7 +283,7 @@ class Run:
             # stop use it.
             found, (start, elapsed) = checkpoint.load_newest_good(ckpt, model, opt, gen, ctx, warn=log.warn)
             log.append = start > 0  # metrics.jsonl continues
-            resumed = f"; resumed from {found} at step {start}"
+            resumed = f"; resumed from {found} at step {start}" + (f" ({model_said})" if model_said else "")
         elif tc.resume:
             resumed = f"; train.resume=true, but {tc.out_dir} holds no checkpoint: starting at step 0"
             log.warn(f"train.resume=true, but {tc.out_dir} holds no checkpoint: starting at step 0")

@@ -59,3 +59,34 @@ def test_data_in_another_tokenizer_is_refused_by_name(published, tmp_path, data)
     with pytest.raises(ValueError, match=r"is not the published model .*llama's .*mode-prepare .*--tokenizer"):
         main(["--config", "dense", "--init-from", f"hf:{published / 'llama'}", *run])
     assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_a_run_from_a_published_model_resumes_without_init_from_or_its_directory(published, tmp_path, capsys):
+    """The README's resume line (no ``--init-from``) on a run that started from a published
+    model, after that model's directory is gone: the checkpoint's own config is the model."""
+    import shutil
+
+    from mode.checkpoint import checkpoint_config
+
+    shutil.copytree(published / "llama", tmp_path / "llama")
+    run = [*RUN, f"train.out_dir={tmp_path / 'run'}", f"data.source={published / 'data'}"]
+    main(["--config", "dense", "--init-from", f"hf:{tmp_path / 'llama'}", *run])
+    started = checkpoint_config(tmp_path / "run" / "ckpt.pt")
+    shutil.rmtree(tmp_path / "llama")
+    capsys.readouterr()
+    main(["--config", "dense", *run, "train.resume=true", "train.steps=4", "train.progress=true"])
+    resumed = checkpoint_config(tmp_path / "run" / "ckpt.pt")
+    assert resumed.model == started.model and resumed.train.steps == 4
+    assert resumed.train.init_from == f"hf:{tmp_path / 'llama'}"  # the run still says where it started
+    assert started.model.d_model == 32 != load_config("dense").model.d_model  # the published shape
+    # a model option that keeps the weights' shapes is taken from the command line, and said
+    main(["--config", "dense", *run, "train.resume=true", "train.steps=5", "model.norm_eps=1e-06"])
+    assert checkpoint_config(tmp_path / "run" / "ckpt.pt").model.norm_eps == 1e-06
+
+
+def test_a_resume_that_asks_for_another_shape_is_named_in_one_line(published, tmp_path):
+    run = [*RUN, f"train.out_dir={tmp_path}", f"data.source={published / 'data'}"]
+    main(["--config", "dense", "--init-from", f"hf:{published / 'llama'}", *run])
+    with pytest.raises(ValueError, match=r"model.d_model=40 \(the checkpoint's: 32\) would not load .*ckpt.pt") as e:
+        main(["--config", "dense", *run, "train.resume=true", "model.d_model=40"])
+    assert "\n" not in str(e.value)
