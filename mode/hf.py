@@ -30,9 +30,9 @@ this library's default) is written with a modeling file, ``modeling_mode.py``
 this library's own model (``mode-moe`` must be installed there), in top-k or causal routing.
 ``native=True`` refuses such a model instead, naming every field that keeps it from a family.
 
-Also refused on reading, by field: Qwen2-MoE's gated shared expert, OLMoE's query/key norms,
-RoPE scaling, a head dim other than ``hidden_size / num_attention_heads``, attention or MLP
-biases in Llama, sliding windows on some layers only.
+Also refused on reading, by field: RoPE scaling, a head dim other than
+``hidden_size / num_attention_heads``, attention or MLP biases in Llama, sliding windows on
+some layers only.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch
 
 from mode.checks import ConfigError, is_file_name
 from mode.config import ModelConfig, from_dict, to_dict
+from mode.hf_tokens import SPECIAL_IDS, checked_tokenizer, write_token_files
 from mode.model import MoDETransformer
 
 __all__ = ["UnsupportedCheckpoint", "config_from_hf", "from_hf", "hf_config", "hf_family", "read_hf_state", "to_hf"]
@@ -563,7 +564,13 @@ def _native_family(model: MoDETransformer) -> str:
     return family
 
 
-def to_hf(model: MoDETransformer, path: str | Path, native: bool | None = None, routing: str | None = None) -> Path:
+def to_hf(
+    model: MoDETransformer,
+    path: str | Path,
+    native: bool | None = None,
+    routing: str | None = None,
+    tokenizer: str | Path | None = None,
+) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory (``config.json`` +
     ``model.safetensors``, and ``modeling_mode.py`` when no family holds it) that
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads with this model's logits;
@@ -572,7 +579,10 @@ def to_hf(model: MoDETransformer, path: str | Path, native: bool | None = None, 
     family holds; False always writes the modeling file, whose forward uses ``routing``
     ("topk" or "causal"; default ``model.default_routing()``, as ``mode-generate`` and the
     lm-eval model: causal where the model can decide per token). A model a family holds
-    routes no depth, so both routings are its one forward. Nothing is written when it refuses."""
+    routes no depth, so both routings are its one forward. ``tokenizer`` (a ``load_tokenizer``
+    spec: "bytes", a ``tokenizer.json``, a directory) is written beside the weights with its
+    special ids in ``config.json`` and a ``generation_config.json`` (``mode.hf_tokens``);
+    without one the ids are null. Nothing is written when it refuses."""
     from safetensors.torch import save_file  # noqa: PLC0415  (the hf extra)
 
     routing = routing or model.default_routing()
@@ -597,8 +607,13 @@ def to_hf(model: MoDETransformer, path: str | Path, native: bool | None = None, 
     else:
         theirs = _gpt2_out(state, cfg) if family == "gpt2" else _llama_out(state, cfg, family)
         config = _config_out(cfg, family, next(iter(theirs.values())).dtype)
+    if tokenizer is not None:
+        checked_tokenizer(tokenizer, cfg.vocab_size)  # before anything is written
     path.mkdir(parents=True, exist_ok=True)
     _remove_stale_export(path)
+    config |= dict.fromkeys(SPECIAL_IDS)  # never a transformers class's defaults
+    if tokenizer is not None:
+        config |= write_token_files(path, tokenizer, cfg.vocab_size, cfg.seq_len)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in theirs.items()}, path / "model.safetensors", metadata={"format": "pt"})
     if family is None:
@@ -760,10 +775,20 @@ def main(argv: list[str] | None = None) -> None:
         choices=["topk", "causal"],
         help="the modeling file's routing (default: causal where the model can decide per token, as mode-generate)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer to write beside the weights: bytes, a tokenizer.json or a directory (default: the "
+        "run's; the published model's directory it started from keeps all its token files)",
+    )
     args = parser.parse_args(argv)
+    from mode.checkpoint import checkpoint_config  # noqa: PLC0415
+    from mode.hf_tokens import export_tokenizer  # noqa: PLC0415
+
     model = MoDETransformer.from_checkpoint(args.checkpoint)
+    tokenizer = args.tokenizer or export_tokenizer(checkpoint_config(args.checkpoint))
     try:
-        out = to_hf(model, args.out_dir, native=True if args.native else None, routing=args.routing)
+        out = to_hf(model, args.out_dir, True if args.native else None, args.routing, tokenizer)
     except (UnsupportedCheckpoint, ValueError) as e:
         raise SystemExit(f"mode-export: {e}") from None
     config = hf_config(out)
@@ -771,4 +796,8 @@ def main(argv: list[str] | None = None) -> None:
         how = f"trust_remote_code=True, {config['routing']} routing"
     else:
         how = "no remote code"
-    print(f"wrote {config['architectures'][0]} to {out} (AutoModelForCausalLM.from_pretrained, {how})")
+    if tokenizer is None:
+        said = "no tokenizer (the run's data are token ids of no known tokenizer: give --tokenizer)"
+    else:
+        said = f"tokenizer {tokenizer}, end of text id {config['eos_token_id']}"
+    print(f"wrote {config['architectures'][0]} to {out} (AutoModelForCausalLM.from_pretrained, {how}); {said}")

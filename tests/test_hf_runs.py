@@ -90,3 +90,95 @@ def test_a_resume_that_asks_for_another_shape_is_named_in_one_line(published, tm
     with pytest.raises(ValueError, match=r"model.d_model=40 \(the checkpoint's: 32\) would not load .*ckpt.pt") as e:
         main(["--config", "dense", *run, "train.resume=true", "model.d_model=40"])
     assert "\n" not in str(e.value)
+
+
+def _declare_eos(directory, token: str, token_id: int | None = None) -> None:
+    """Declare ``token`` the end of text in a directory's tokenizer_config.json (and, for a
+    published model's directory, its config.json and generation_config.json)."""
+    import json
+
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": token})
+    )
+    if token_id is not None:
+        (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": token}))
+        for name in ("config.json", "generation_config.json"):
+            fields = json.loads((directory / name).read_text()) if (directory / name).exists() else {}
+            (directory / name).write_text(json.dumps({**fields, "eos_token_id": token_id, "bos_token_id": None}))
+
+
+def test_an_export_carries_its_tokenizer_and_generate_stops_at_end_of_text(published, tmp_path):
+    """HF -> mode -> HF: the export holds every file of the published model that describes
+    tokens, byte for byte; ``AutoTokenizer`` loads it, and transformers' greedy ``generate``
+    stops at the declared end of text with the tokens ``mode-generate`` gives."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from mode.eval import main_generate
+    from mode.hf import main as export
+    from mode.model import MoDETransformer
+    from mode.tokenizer import load_tokenizer
+
+    shutil.copytree(published / "llama", tmp_path / "llama")
+    shutil.copytree(published / "data", tmp_path / "data")
+    run = [*RUN, f"train.out_dir={tmp_path / 'run'}", f"data.source={tmp_path / 'data'}"]
+    main(["--config", "dense", "--init-from", f"hf:{tmp_path / 'llama'}", *run])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    ours = MoDETransformer.from_checkpoint(ckpt)
+    tok = load_tokenizer(tmp_path / "data")
+    prompt = torch.tensor(tok.encode("Now is the winter"))[None]
+    free = ours.generate(prompt, 8, temperature=0.0)[0, prompt.shape[1] :].tolist()
+    # the end of text: a token it emits once, late, whose text is not in the prompt (a declared
+    # special token's text is one token wherever it appears)
+    stop = next(
+        i for i in range(2, 8) if free[i] not in free[:i] and tok.decode([free[i]]).strip() not in "Now is the winter"
+    )
+    eos = free[stop]
+    _declare_eos(tmp_path / "data", tok.tokenizer.id_to_token(eos))
+    _declare_eos(tmp_path / "llama", tok.tokenizer.id_to_token(eos), eos)
+
+    export([str(ckpt), str(tmp_path / "out")])
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "llama" / name).read_bytes(), name
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert theirs("Now is the winter", add_special_tokens=False)["input_ids"] == prompt[0].tolist()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.eos_token_id == eos
+    with torch.no_grad():
+        out = back.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :].tolist()
+    assert out == free[: stop + 1]  # stopped at end of text
+    said = main_generate([str(tmp_path / "out"), "--prompt", "Now is the winter", "--temperature", "0"])
+    assert said == tok.decode(prompt[0].tolist() + out)
+
+
+def test_a_byte_model_exports_a_tokenizer_of_bytes(tmp_path):
+    """A run on bytes: the export's tokenizer gives the bytes' values, non-ASCII text too, and
+    no end-of-text id stands in (transformers' class defaults are overridden with null)."""
+    import transformers
+
+    from mode.eval import main_generate
+    from mode.hf import main as export
+
+    train(load_config("dense", [*RUN, f"train.out_dir={tmp_path / 'run'}", "model.d_model=32", "model.n_heads=2"]))
+    export([str(tmp_path / "run" / "ckpt.pt"), str(tmp_path / "out")])
+    text = "Grüße, 東京!\n"
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert theirs(text, add_special_tokens=False)["input_ids"] == list(text.encode("utf-8"))
+    assert theirs.decode(list(text.encode("utf-8"))) == text
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out", trust_remote_code=True).eos_token_id is None
+    assert main_generate([str(tmp_path / "out"), "--prompt", "ROMEO:", "--max-new-tokens", "4"]).startswith("ROMEO:")
+
+
+def test_a_reexported_moe_model_names_no_end_of_text_outside_its_vocabulary(tmp_path):
+    """OLMoE's transformers default eos id (50279) is outside a 512-id vocabulary: an export
+    with no tokenizer writes null, and one given the source directory keeps the source's ids."""
+    import transformers
+
+    from mode.hf import from_hf, to_hf
+
+    hf_model("olmoe").save_pretrained(tmp_path / "olmoe")
+    out = to_hf(from_hf(tmp_path / "olmoe"), tmp_path / "out")
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.eos_token_id is None and config.vocab_size < 50279
