@@ -85,7 +85,7 @@ def is_hf(source: object) -> bool:
 
 
 def hf_source_config(source: str | Path) -> ModelConfig:
-    """The dense ``ModelConfig`` of an ``hf:<dir>`` source (reads its ``config.json`` only)."""
+    """The ``ModelConfig`` of an ``hf:<dir>`` source, dense or MoE (reads its ``config.json`` only)."""
     from mode.hf import config_from_hf, hf_config  # noqa: PLC0415
 
     return config_from_hf(hf_config(str(source)[len(HF_PREFIX) :]))
@@ -109,6 +109,68 @@ def with_dense_shape(target: ModelConfig, dense: ModelConfig) -> ModelConfig:
         mlp = dense.mlp if dense.mlp in ("gelu", "swiglu") else moe.mlp  # else refused by check_convertible
         moe = dataclasses.replace(moe, mlp=mlp, d_ff=moe.d_ff or max(1, dense.dense_d_ff() // moe.top_k))
     return dataclasses.replace(target, **taken, moe=moe)
+
+
+# a published MoE model's options a target keeps (training, not the function: losses, balance,
+# backend) ...
+MOE_KEPT_BY_TARGET = (
+    "backend",
+    "jitter",
+    "capacity_factor",
+    "drop_policy",
+    "n_noop",
+    "noop_share",
+    "lb_coef",
+    "lb_scope",
+    "z_coef",
+    "bias_rate",
+    "token_moves",
+)
+# ... and what each target block kind makes of a published block of each kind (any other pair:
+# the published block as it is)
+WRAPPED = {
+    ("moe", "mode_staged"): "mode_staged",  # MoD routing around the published MoE block
+    ("moe", "mode_integrated"): "mode_integrated",  # its router gains the no-op experts
+    ("moe", "mod"): "mode_staged",  # MoD around an MoE block is staged MoDE
+    ("dense", "mod"): "mod",
+    ("dense", "mode_staged"): "mod",  # MoD around a dense block: staged MoDE with no experts
+}
+TARGETS_OF_PUBLISHED_MOE = ("dense", "moe", "mod", "mode_staged", "mode_integrated")
+
+
+def with_published_moe(target: ModelConfig, published: ModelConfig) -> ModelConfig:
+    """``target`` over a published MoE model (see ``published_shape``): every block is the
+    published one (its experts, router and shared expert as they are), wrapped where the
+    target's layout routes depth there (``WRAPPED``); the target keeps its routing, early
+    exit, attention backend and MoE training options (``MOE_KEPT_BY_TARGET``)."""
+    tiled = dataclasses.replace(target, n_layers=published.n_layers)
+    try:
+        wanted = tiled.block_kinds()
+    except ValueError as e:
+        raise type(e)(f"{e} (the published model's {published.n_layers} layers)") from None
+    for kind in wanted:
+        if kind not in TARGETS_OF_PUBLISHED_MOE:
+            fail(
+                "model.layout",
+                target.layout,
+                f"a published MoE model becomes {list(TARGETS_OF_PUBLISHED_MOE)} blocks, not {kind!r}",
+            )
+    kinds = [WRAPPED.get((have, want), have) for have, want in zip(published.block_kinds(), wanted, strict=True)]
+    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in KEPT_BY_TARGET]
+    taken = {name: getattr(published, name) for name in fields}
+    if published.positions == "learned":
+        taken["seq_len"] = published.seq_len
+    moe = dataclasses.replace(published.moe, **{k: getattr(target.moe, k) for k in MOE_KEPT_BY_TARGET})
+    return dataclasses.replace(target, **taken, layout=",".join(kinds), moe=moe)
+
+
+def published_shape(target: ModelConfig, published: ModelConfig) -> ModelConfig:
+    """The model a run from a published model (``hf:<dir>``) trains: a dense one's shape and
+    architecture under the target's layout (``with_dense_shape``), or a published MoE model
+    as it is, wrapped where the target routes depth (``with_published_moe``)."""
+    if any_kind(published.block_kinds(), "holds_experts"):
+        return with_published_moe(target, published)
+    return with_dense_shape(target, published)
 
 
 def check_convertible(dense: ModelConfig, target: ModelConfig) -> None:
@@ -171,15 +233,17 @@ def upcycle(
     target cannot be filled from that model."""
     tcfg = target.model if isinstance(target, Config) else target
     state, dcfg = load_dense(source, dense_config)
+    if not 0.0 < gate_init < 1.0:
+        fail("gate_init", gate_init, "must be in (0, 1)")
+    gen = torch.Generator().manual_seed(seed)
+    if is_hf(source) and any_kind(dcfg.block_kinds(), "holds_experts"):
+        return _wrap_published_moe(state, with_published_moe(tcfg, dcfg), seed, gen, router_std, gate_init)
     if is_hf(source):
         tcfg = with_dense_shape(tcfg, dcfg)
     check_convertible(dcfg, tcfg)
-    if not 0.0 < gate_init < 1.0:
-        fail("gate_init", gate_init, "must be in (0, 1)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = MoDETransformer(tcfg)
-    gen = torch.Generator().manual_seed(seed)
     own = {k: v for k, v in state.items() if not k.startswith("blocks.")}
     model.load_state_dict(own, strict=False)
     for i, block in enumerate(model.blocks):
@@ -190,11 +254,46 @@ def upcycle(
 
 
 @torch.no_grad()
+def _wrap_published_moe(
+    state: StateDict, cfg: ModelConfig, seed: int, gen, router_std: float, gate_init: float
+) -> MoDETransformer:
+    """The model ``cfg`` (``with_published_moe``) holding a published MoE model's weights
+    ``state``: its blocks as they are, inside a MoD router where wrapped (started as
+    upcycling starts one), and an integrated block's router keeping the published rows of
+    its real experts, the no-op experts' rows starting small and random."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MoDETransformer(cfg)
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith("blocks.")}, strict=False)
+    for i, block in enumerate(model.blocks):
+        prefix = f"blocks.{i}."
+        published = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        if isinstance(block, MoDBlock):
+            _start_mod_router(block, gen, router_std, gate_init)
+            block.block.load_state_dict(published)
+        elif isinstance(block, TransformerBlock) and isinstance(block.mlp, MoELayer) and block.mlp.n_noop:
+            real = block.mlp.n_experts
+            rows = {"mlp.router.weight", "mlp.selection_bias"}
+            block.load_state_dict({k: v for k, v in published.items() if k not in rows}, strict=False)
+            _normal(block.mlp.router.weight, router_std, gen)
+            block.mlp.router.weight[:real] = published["mlp.router.weight"]
+            block.mlp.selection_bias.zero_()
+            block.mlp.selection_bias[:real] = published["mlp.selection_bias"]
+        else:
+            block.load_state_dict(published)
+    return model
+
+
+def _start_mod_router(block: MoDBlock, gen, router_std: float, gate_init: float) -> None:
+    _normal(block.router.weight, router_std, gen)
+    gate = block.gate
+    block.router.bias.fill_(math.log(gate_init / (1 - gate_init)) if gate == "sigmoid" else gate_init)
+
+
+@torch.no_grad()
 def _fill_block(block: nn.Module, dense: StateDict, gen, noise: float, router_std: float, gate_init: float) -> None:
     if isinstance(block, MoDBlock):
-        _normal(block.router.weight, router_std, gen)
-        gate = block.gate
-        block.router.bias.fill_(math.log(gate_init / (1 - gate_init)) if gate == "sigmoid" else gate_init)
+        _start_mod_router(block, gen, router_std, gate_init)
         _fill_block(block.block, dense, gen, noise, router_std, gate_init)
     elif isinstance(block, DenseBlock):
         block.load_state_dict(dense)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from mode import checkpoint, run_dir, telemetry
 from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, from_dict, load_config, preset_names, to_dict
-from mode.convert import HF_PREFIX, hf_source_config, is_hf, upcycle, with_dense_shape
+from mode.convert import HF_PREFIX, hf_source_config, is_hf, published_shape, upcycle
 from mode.data import Corpus, TokenSplit, load_corpus, source_tokenizer
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import any_kind
@@ -233,8 +233,8 @@ class Run:
         resumed, model_said = resumed_model_config(cfg), ""
         if resumed is not None:  # the checkpoint's model: no published directory needed again
             cfg.model, model_said, tc.init_from = resumed
-        elif is_hf(tc.init_from):  # a published model defines the shape (mode.convert.with_dense_shape)
-            cfg.model = with_dense_shape(cfg.model, hf_source_config(tc.init_from))
+        elif is_hf(tc.init_from):  # a published model defines the shape (mode.convert.published_shape)
+            cfg.model = published_shape(cfg.model, hf_source_config(tc.init_from))
         ctx = init_parallel(cfg)
         lock = None
         if ctx is None or ctx.rank == 0:  # before anything is read or written there

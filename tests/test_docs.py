@@ -30,9 +30,10 @@ def test_every_linked_document_exists():
 
 
 @pytest.mark.slow
-def test_the_hugging_face_commands_run_at_tiny_size(tmp_path):
-    """The README's "From and to Hugging Face" commands, on a tiny random Llama and a few
-    steps; transformers then computes the exported model's logits."""
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_the_hugging_face_commands_run_at_tiny_size(tmp_path, family):
+    """The README's "From and to Hugging Face" commands, on a tiny random dense (Llama) and MoE
+    (Mixtral) model and a few steps; transformers then computes the exported model's logits."""
     transformers = pytest.importorskip("transformers")
     from tests.test_hf import hf_model
 
@@ -41,7 +42,7 @@ def test_the_hugging_face_commands_run_at_tiny_size(tmp_path):
     from mode.data import prepare_shakespeare
     from mode.tokenizer import train_bpe
 
-    hf_model("llama", vocab_size=320).save_pretrained(tmp_path / "llama")  # its tokenizer: 300 ids + padding
+    hf_model(family, vocab_size=320).save_pretrained(tmp_path / "llama")  # its tokenizer: 300 ids + padding
     (tmp_path / "text.txt").write_bytes(prepare_shakespeare("data").read_bytes()[:100_000])
     train_bpe([tmp_path / "text.txt"], 300).save(tmp_path / "llama" / "tokenizer.json")
     tiny = "model.seq_len=32 train.steps=2 train.eval_every=2 train.eval_batches=1 train.batch_size=2"

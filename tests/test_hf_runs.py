@@ -182,3 +182,78 @@ def test_a_reexported_moe_model_names_no_end_of_text_outside_its_vocabulary(tmp_
     out = to_hf(from_hf(tmp_path / "olmoe"), tmp_path / "out")
     config = transformers.AutoConfig.from_pretrained(out)
     assert config.eos_token_id is None and config.vocab_size < 50279
+
+
+MOE_FAMILIES = ["mixtral", "olmoe", "qwen2_moe"]
+# settings at which the target computes the published model's function exactly
+AS_PUBLISHED = {
+    "moe": [],  # the published MoE blocks as they are
+    "mode_staged": ["model.mod.capacity=1.0", "model.mod.gate=none"],  # MoD routing every token, unit gate
+}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("preset", list(AS_PUBLISHED))
+def test_a_published_moe_model_starts_a_moe_or_staged_run_with_its_own_logits(family, preset, tmp_path):
+    """A published MoE model into ``moe`` (as it is: its experts, router, shared expert and
+    dense layers) or ``mode_staged`` (MoD routing around each of its MoE blocks): at the
+    identity settings the model computes the published logits."""
+    from mode.convert import upcycle
+    from tests.test_hf import logits
+
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path)
+    model = upcycle(f"hf:{tmp_path}", load_config(preset, AS_PUBLISHED[preset])).eval()
+    kinds, published = model.cfg.block_kinds(), hf.config.num_hidden_layers
+    assert len(kinds) == published
+    if preset == "mode_staged":  # the preset routes every other block: those MoE blocks are wrapped
+        assert kinds[1] in ("mode_staged", "mod") and kinds[0] in ("moe", "dense")
+    from tests.tolerances import assert_close
+
+    assert_close(logits(model), logits(hf), "model")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_published_moe_model_into_integrated_mode_keeps_its_experts_and_router_rows(family, tmp_path):
+    """No identity setting exists (no-op experts take a share): the real experts and their
+    router rows are the published ones; the no-op experts are added."""
+    import torch
+
+    from mode.convert import upcycle
+    from mode.hf import from_hf
+    from tests.test_hf import logits
+
+    hf_model(family).save_pretrained(tmp_path)
+    published = from_hf(tmp_path)
+    model = upcycle(f"hf:{tmp_path}", load_config("mode_integrated")).eval()
+    i = next(i for i, k in enumerate(model.cfg.block_kinds()) if k == "mode_integrated")
+    ours, theirs = model.blocks[i].mlp, published.blocks[i].mlp
+    assert ours.n_noop == 8 and ours.n_experts == theirs.n_experts
+    assert torch.equal(ours.experts.w1, theirs.experts.w1) and torch.equal(ours.experts.w2, theirs.experts.w2)
+    assert torch.equal(ours.router.weight[: theirs.n_experts], theirs.router.weight)
+    assert torch.isfinite(logits(model)).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_mode_train_fine_tunes_a_published_moe_model_from_the_command_line(family, tmp_path):
+    """``mode-train --init-from hf:<MoE dir>`` into ``moe`` and ``mode_staged``: trains,
+    saves, and the moe run exports back to its family (transformers computes its logits)."""
+    import torch
+    import transformers
+
+    from mode.hf import to_hf
+    from mode.model import MoDETransformer
+    from tests.test_hf import logits
+    from tests.tolerances import assert_close
+
+    hf_model(family, vocab_size=256).save_pretrained(tmp_path / "hf")  # the byte corpus: 256 ids
+    for preset in ("moe", "mode_staged"):
+        run = [*RUN, f"train.out_dir={tmp_path / preset}"]
+        main(["--config", preset, "--init-from", f"hf:{tmp_path / 'hf'}", *run])
+    model = MoDETransformer.from_checkpoint(tmp_path / "moe" / "ckpt.pt")
+    back = transformers.AutoModelForCausalLM.from_pretrained(to_hf(model, tmp_path / "out")).eval()
+    idx = torch.randint(0, 256, (2, 16))
+    assert_close(logits(back, idx), logits(model, idx), "model")
+    staged = MoDETransformer.from_checkpoint(tmp_path / "mode_staged" / "ckpt.pt")
+    assert "mode_staged" in staged.cfg.block_kinds()
