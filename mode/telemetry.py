@@ -235,10 +235,13 @@ class RunLogger:
         end, max_seconds = self.budget
         return min(100.0, 100 * max(done / max(end, 1), elapsed / max_seconds))
 
-    def advance(self, done: int, elapsed: float) -> None:
-        """Move the progress bar to step ``done`` after ``elapsed`` seconds of training."""
+    def advance(self, done: int, elapsed: float, last: bool = False) -> None:
+        """Move the progress bar to step ``done`` after ``elapsed`` seconds of training (to its
+        end when the run ``last`` ends there)."""
         if self.bar is not None:
             at = self._percent(done, elapsed) if self.budget[1] else done
+            if last and self.budget[1]:
+                at = self.bar.total
             self.bar.update(at - self.bar.n)
 
     def record(self, values: dict) -> None:

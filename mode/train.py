@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mode import checkpoint, run_dir, telemetry
+from mode.cadence import Cadence
 from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, from_dict, load_config, preset_names, to_dict
 from mode.convert import HF_PREFIX, hf_source_config, is_hf, published_shape, upcycle
@@ -471,42 +472,52 @@ def _train_steps(run: Run, stop_at: int | None) -> tuple[MoDETransformer, TrainR
     timer = telemetry.StepTimer(run.device)
     profiler = telemetry.StepProfiler(tc.out_dir, list(tc.profile_steps), run.rank_and_world[0])
     run.model.train()
+    cadence = Cadence(tc, stop_at)
+    overdue = False  # the time budget is spent: the next step is the last
     for step in run.log.steps(run.start_step, tc.steps, tc.max_seconds, run.elapsed):
-        if tc.max_seconds and elapsed >= tc.max_seconds:
+        if step == run.start_step and cadence.out_of_time(elapsed):
             break  # a resumed run whose time budget was already spent
         t_batch, done = time.perf_counter(), step + 1
+        plan = cadence.plan(done, overdue)
         lr = lr_at(step, tc, elapsed)
         for group in run.opt.param_groups:
             group["lr"] = lr
         x, y = run.batch()
-        saving = bool(tc.ckpt_every and done % tc.ckpt_every == 0)
-        logged = done % tc.log_every == 0 or done % tc.eval_every == 0 or done in (tc.steps, stop_at) or saving
         profiler.begin(done)
         timer.start()
         out = train_step(
-            run.model, run.opt, x, y, tc.grad_clip, run.ctx, run.objective, run.precision, tc.grad_accum_steps, logged
+            run.model,
+            run.opt,
+            x,
+            y,
+            tc.grad_clip,
+            run.ctx,
+            run.objective,
+            run.precision,
+            tc.grad_accum_steps,
+            plan.metrics,
         )
         timer.stop()
         profiler.end(done)
         bad_run = torch.where(out.skipped, bad_run + 1, 0)
         worst_run = torch.maximum(worst_run, bad_run)
         elapsed = mean_over_ranks(elapsed + time.perf_counter() - t_batch, run.ctx)  # every rank stops alike
-        out_of_time = bool(tc.max_seconds and elapsed >= tc.max_seconds) or done == stop_at
-        run.log.advance(done, elapsed)
-        evaluating = done % tc.eval_every == 0 or done == tc.steps or out_of_time
-        if not (done % tc.log_every == 0 or evaluating or saving):
+        overdue = cadence.out_of_time(elapsed)
+        plan = cadence.after(plan, overdue)
+        run.log.advance(done, elapsed, last=plan.last)
+        if not plan.record:
             continue
         result.step_times += timer.read()
         record = run.step_record(done, out, lr, elapsed, result.step_times[-1], int(bad_run))
         result.train_loss = record["loss"]
         run.stop_if_bad(int(worst_run), record)
         worst_run.zero_()
-        run.evaluate_and_record(record, result, evaluating)
-        if saving:
+        run.evaluate_and_record(record, result, plan.evaluate)
+        if plan.save:
             saved = done
             run.save(done, elapsed)
         result.steps = done
-        if out_of_time:
+        if plan.last:
             break
     result.step_times += timer.read()
     profiler.close()

@@ -122,3 +122,45 @@ def test_the_progress_bar_follows_a_time_budget_and_shows_no_loss_before_one_exi
     assert not any("nan" in line for line in shown[:-1]), shown
     train(load_config("dense", [*TINY, "train.progress=true", "train.steps=3", f"train.out_dir={tmp_path / 'steps'}"]))
     assert "3/3" in capsys.readouterr().err
+
+
+def test_the_last_record_of_a_time_budgeted_run_carries_the_routing_metrics(tmp_path):
+    """The step a time budget ends is planned as the last before it runs (mode.cadence): it
+    computes its routing metrics, so the last record has every one a logged step has, and a
+    router collapse planted in the model is warned of there."""
+    import torch
+
+    from mode.model import MoDETransformer
+
+    common = [*TINY, "model.layout=dense,moe", "model.moe.top_k=1", "model.moe.bias_rate=1e-6"]
+    cfg = load_config("moe", [*common, "train.steps=2", "train.log_every=1", f"train.out_dir={tmp_path / 'a'}"])
+    train(cfg)
+    logged = set(_records(tmp_path / "a")[-1])
+    timed = ["train.steps=100000", "train.max_seconds=1.5", "train.log_every=100000", "train.eval_every=100000"]
+    cfg = load_config("moe", [*common, *timed, f"train.out_dir={tmp_path / 'b'}"])
+    model = MoDETransformer(cfg.model)
+    with torch.no_grad():
+        model.blocks[1].mlp.selection_bias[0] = 1e4  # every token picks expert 0: a collapsed router
+    train(cfg, model)
+    records = _records(tmp_path / "b")
+    assert len(records) == 1 and records[0]["step"] > 1  # only the last step is recorded
+    routing = {k for k in logged if "/" in k}
+    assert routing and routing <= set(records[0]), routing - set(records[0])
+    assert any("one expert takes 100%" in w for w in records[0]["warnings"])
+
+
+def test_the_cadence_answers_every_job_of_a_step_once():
+    from mode.cadence import Cadence
+
+    tc = load_config("dense", ["train.steps=10", "train.log_every=3", "train.eval_every=4", "train.ckpt_every=5"]).train
+    cadence = Cadence(tc, stop_at=None)
+    plans = {done: cadence.plan(done) for done in range(1, 11)}
+    assert [d for d, p in plans.items() if p.record] == [3, 4, 5, 6, 8, 9, 10]
+    assert [d for d, p in plans.items() if p.evaluate] == [4, 8, 10]
+    assert [d for d, p in plans.items() if p.save] == [5, 10]
+    assert [d for d, p in plans.items() if p.last] == [10]
+    assert all(p.metrics == p.record for p in plans.values())
+    # the budget spent on an unrecorded step: one more step, planned last; on a recorded one: it ends there
+    assert not cadence.after(plans[1], overdue=True).last and cadence.plan(2, overdue=True).last
+    assert cadence.after(plans[3], overdue=True).last and cadence.after(plans[3], overdue=True).evaluate
+    assert Cadence(tc, stop_at=7).plan(7).last
