@@ -129,6 +129,20 @@ def test_compare_with_seeds_interleaves_and_writes_the_readme_claims(tmp_path):
     assert "learned MoD routing val loss < random routing (mod_random)" in text and "| claim |" in text
 
 
+def test_compare_at_equal_steps_trains_each_run_the_same_steps(tmp_path):
+    overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    args = [*overrides, "train.eval_every=4", "train.eval_batches=1", "--equal", "steps", "--steps", "4"]
+    args += ["--timing-rounds", "0", "--runs-dir", str(tmp_path / "runs"), "--seeds", "2", "--data", str(corpus)]
+    payload = run_script("compare.py", [*args, "--presets", "dense", "mod", "mod_random"], tmp_path)["compare.json"]
+    assert payload["equal"] == "steps" and payload["steps"] == 4 and payload["seconds"] == 0
+    for row in payload["rows"].values():
+        assert row["per_seed"]["steps"] == [4, 4]
+    assert "best MoD variant (mod) val loss < dense at equal steps" in payload["claims"]
+    assert payload["claims"]["learned MoD routing val loss < random routing (mod_random)"]["n"] == 2
+
+
 def test_bench_sampling_tiny_compares_target_values(tmp_path):
     overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
     args = ["--seconds", "2", "--new-tokens", "8", "--repeats", "1", "--eval-batches", "1"]
