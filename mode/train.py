@@ -35,24 +35,18 @@ from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, from_dict, load_config, preset_names, to_dict
 from mode.convert import HF_PREFIX, hf_source_config, is_hf, published_shape, upcycle
 from mode.data import Corpus, TokenSplit, load_corpus, source_tokenizer
+from mode.evaluation import evaluate_batches, rank_rows, sampled_windows
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import any_kind
 from mode.model import MoDETransformer
 from mode.parallel.mesh import ParallelContext, destroy, mean_over_ranks
 from mode.parallel.parallelize import init_parallel, parallelize_model
-from mode.precision import PRECISION_DTYPES, autocast, resolve
+from mode.precision import PRECISION_DTYPES, resolve
 from mode.routed import health_warnings, routing_metrics
 from mode.step import LMObjective, NonFiniteTrainingError, StepResult, build_optimizer, lr_at, train_step
 from mode.tokenizer import check_same_tokenizer, encode_prompt, load_tokenizer
 
 
-def rank_rows(batch_size: int, ctx: ParallelContext | None) -> slice:
-    """This rank's rows of a global batch of ``batch_size`` rows (all of them without ``ctx``)."""
-    rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
-    return slice(rank * batch_size // world, (rank + 1) * batch_size // world)
-
-
-@torch.no_grad()
 def evaluate(
     model: MoDETransformer,
     split: TokenSplit,
@@ -64,23 +58,11 @@ def evaluate(
 ) -> tuple[float, dict[str, float]]:
     """Mean cross-entropy (nats/token) over fixed windows of ``split`` (the same windows for
     every model) and the mean of each scalar routing metric over those batches. Under
-    ``ctx`` each rank evaluates its rows of every batch and the losses are averaged."""
-    was_training = model.training
-    model.eval()
-    gen = torch.Generator().manual_seed(0)
-    device = next(model.parameters()).device
-    losses, metrics = [], {}
-    rows = rank_rows(batch_size, ctx)
-    for _ in range(n_batches):
-        x, y = split.batch(batch_size, gen)
-        with autocast(precision, device):
-            _, loss = model(x[rows].to(device), y[rows].to(device), routing=routing)
-        losses.append(mean_over_ranks(loss.item(), ctx))
-        for key, value in routing_metrics(model).items():
-            if isinstance(value, float | int):
-                metrics[key] = metrics.get(key, 0.0) + value / n_batches
-    model.train(was_training)
-    return sum(losses) / len(losses), metrics
+    ``ctx`` each rank evaluates its rows of every batch and the losses are averaged
+    (``mode.evaluation``, the loop ``mode-eval`` uses too)."""
+    batches = sampled_windows(split, batch_size, n_batches)
+    done = evaluate_batches(model, batches, routing, ctx=ctx, precision=precision)
+    return done.loss, done.metrics
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from mode.checkpoint import checkpoint_config, load_checkpoint
@@ -164,3 +165,28 @@ def test_the_cadence_answers_every_job_of_a_step_once():
     assert not cadence.after(plans[1], overdue=True).last and cadence.plan(2, overdue=True).last
     assert cadence.after(plans[3], overdue=True).last and cadence.after(plans[3], overdue=True).evaluate
     assert Cadence(tc, stop_at=7).plan(7).last
+
+
+def test_training_validation_is_the_mean_loss_over_the_same_fixed_windows():
+    """``mode.train.evaluate`` (the loop mode-eval shares, ``mode.evaluation``): the mean of
+    the model's own losses over windows drawn by a generator seeded 0, the same on every call."""
+    import torch
+
+    from mode.data import load_corpus
+    from mode.model import MoDETransformer
+    from mode.train import evaluate
+
+    cfg = load_config("mod", TINY)
+    model = MoDETransformer(cfg.model).train()
+    val = load_corpus(cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir).val
+    loss, metrics = evaluate(model, val, 4, 3)
+    assert model.training  # as it was
+    gen, want = torch.Generator().manual_seed(0), []
+    model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            x, y = val.batch(4, gen)
+            want.append(model(x, y)[1].item())
+    assert loss == pytest.approx(sum(want) / 3, rel=1e-6)
+    assert evaluate(model, val, 4, 3)[0] == pytest.approx(loss, rel=1e-6)
+    assert any(k.endswith("/routed_share") or "routed" in k for k in metrics), sorted(metrics)

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mode.evaluation import consecutive_windows, evaluate_batches
 from mode.model import MoDETransformer
-from mode.routed import routing_metrics
 from mode.tokenizer import ByteTokenizer, check_same_tokenizer, encode_prompt, load_tokenizer
 
 __all__ = ["evaluate_split", "load_model", "main_eval", "main_generate"]
@@ -55,31 +55,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Mo
     }
 
 
-@torch.no_grad()
 def evaluate_split(
     model: MoDETransformer, tokens, batch_size: int = 8, routing: str = "topk", max_batches: int = 0
 ) -> tuple[float, int, dict[str, float]]:
     """Mean cross-entropy (nats/token) over consecutive ``seq_len`` windows of ``tokens`` (a
     1-D id array), the number of tokens predicted, and each scalar routing metric's mean over
-    the batches. ``max_batches > 0`` stops early."""
-    T = model.cfg.seq_len
-    device = next(model.parameters()).device
-    n_windows = (len(tokens) - 1) // T
-    if n_windows < 1:
-        raise ValueError(f"the validation split has {len(tokens)} tokens, fewer than seq_len + 1 = {T + 1}")
-    total, count, metrics, batches = 0.0, 0, {}, 0
-    for first in range(0, n_windows, batch_size):
-        rows = range(first, min(first + batch_size, n_windows))
-        xy = torch.from_numpy(np.stack([np.asarray(tokens[r * T : r * T + T + 1], dtype=np.int64) for r in rows]))
-        _, loss = model(xy[:, :-1].to(device), xy[:, 1:].to(device), routing=routing)
-        n = xy[:, 1:].numel()
-        total, count, batches = total + loss.item() * n, count + n, batches + 1
-        for key, value in routing_metrics(model).items():
-            if isinstance(value, float | int):
-                metrics[key] = metrics.get(key, 0.0) + value
-        if max_batches and batches >= max_batches:
-            break
-    return total / count, count, {k: v / batches for k, v in metrics.items()}
+    the batches. ``max_batches > 0`` stops early (``mode.evaluation``, training's loop too)."""
+    batches = consecutive_windows(tokens, model.cfg.seq_len, batch_size, max_batches)
+    done = evaluate_batches(model, batches, routing)
+    return done.loss, done.tokens, done.metrics
 
 
 def main_eval(argv: list[str] | None = None) -> dict:
