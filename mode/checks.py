@@ -9,6 +9,7 @@ This module is a leaf: it imports nothing of ours.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import pathlib
 from collections.abc import Iterable
@@ -35,6 +36,27 @@ def is_file_name(name: object) -> bool:
     """``name`` is a plain file name: a string naming a file inside a directory, with no
     directory part, no ``..`` and not absolute (what a file may name of its neighbours)."""
     return isinstance(name, str) and pathlib.PurePath(name).name == name and name not in ("", ".", "..")
+
+
+JSON_MAX_BYTES = 1 << 24  # a config file of ours or Hugging Face's is far smaller
+
+
+def read_json_object(
+    file: pathlib.Path, fix: str = "", error: type[Exception] = ValueError, max_bytes: int = JSON_MAX_BYTES
+) -> dict:
+    """The JSON object in ``file`` (an untrusted file); ``error`` naming the file, and ``fix``
+    after a colon, when it is larger than ``max_bytes``, not UTF-8 JSON, or not an object."""
+    then = f": {fix}" if fix else ""
+    size = file.stat().st_size
+    if size > max_bytes:
+        raise error(f"{file} is {size} bytes: too large for a config file{then}")
+    try:
+        fields = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise error(f"{file} is not JSON ({e}){then}") from e
+    if not isinstance(fields, dict):
+        raise error(f"{file} holds a {type(fields).__name__}, not an object{then}")
+    return fields
 
 
 def check_number(name: str, value: object) -> None:

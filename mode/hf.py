@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from mode.checks import ConfigError, is_file_name
+from mode.checks import ConfigError, is_file_name, read_json_object
 from mode.config import ModelConfig, from_dict, to_dict
 from mode.hf_tokens import SPECIAL_IDS, checked_tokenizer, write_token_files
 from mode.model import MoDETransformer
@@ -106,13 +106,7 @@ def hf_config(path: str | Path) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")
-    try:
-        c = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UnsupportedCheckpoint(f"{file} is not JSON ({e}): write it again with save_pretrained") from e
-    if not isinstance(c, dict):
-        raise UnsupportedCheckpoint(f"{file} holds a {type(c).__name__}, not an object of config fields")
-    return c
+    return read_json_object(file, "write it again with save_pretrained", UnsupportedCheckpoint)
 
 
 def read_hf_state(path: str | Path) -> StateDict:

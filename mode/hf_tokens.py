@@ -23,6 +23,7 @@ import json
 import shutil
 from pathlib import Path
 
+from mode.checks import read_json_object
 from mode.config import Config
 from mode.convert import HF_PREFIX, is_hf
 from mode.data import source_tokenizer
@@ -50,7 +51,6 @@ TOKEN_FILES = (
     "generation_config.json",
 )
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-SOURCE_CONFIG_MAX_BYTES = 1 << 24
 
 
 def _byte_chars() -> list[str]:
@@ -85,13 +85,9 @@ def _source_ids(directory: Path, vocab_size: int) -> dict:
     """The special ids a Hugging Face directory's ``config.json`` declares (those that are ids
     of ``vocab_size``)."""
     config = directory / "config.json"
-    if not config.is_file() or config.stat().st_size > SOURCE_CONFIG_MAX_BYTES:
-        return {}
     try:
-        fields = json.loads(config.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return {}
-    if not isinstance(fields, dict):
+        fields = read_json_object(config) if config.is_file() else {}
+    except ValueError:  # not ours to judge here: from_hf names it when the model is read
         return {}
     return {k: fields[k] for k in SPECIAL_IDS if _valid_id(fields.get(k), vocab_size)}
 
@@ -102,8 +98,8 @@ def _declared_id(tok, field: str) -> int | None:
     if isinstance(tok, ByteTokenizer) or not config.is_file():
         return None
     try:
-        token = json.loads(config.read_text(encoding="utf-8")).get(field)
-    except (ValueError, UnicodeDecodeError, AttributeError):
+        token = read_json_object(config).get(field)
+    except ValueError:
         return None
     token = token.get("content") if isinstance(token, dict) else token
     return tok.tokenizer.token_to_id(token) if isinstance(token, str) else None

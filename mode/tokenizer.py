@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from mode.checks import read_json_object
+
 EOT = "<|endoftext|>"
 
 
@@ -52,7 +54,6 @@ class ByteTokenizer:
 
 END_OF_TEXT_NAMES = (EOT, "</s>", "<eos>", "<|end_of_text|>")  # tried when none is declared
 CONFIG_NAME = "tokenizer_config.json"  # beside a tokenizer.json: its declared special tokens
-CONFIG_MAX_BYTES = 1 << 24
 
 
 class BPETokenizer:
@@ -99,14 +100,7 @@ def declared_eos_token(tokenizer_file: Path) -> str | None:
     config = tokenizer_file.parent / CONFIG_NAME
     if not config.is_file():
         return None
-    if config.stat().st_size > CONFIG_MAX_BYTES:
-        raise ValueError(f"{config} is {config.stat().st_size} bytes: too large for a tokenizer config")
-    try:
-        fields = json.loads(config.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config} is not JSON ({e})") from e
-    if not isinstance(fields, dict):
-        raise ValueError(f"{config} holds a {type(fields).__name__}, not an object")
+    fields = read_json_object(config)
     token = fields.get("eos_token")
     if isinstance(token, dict):
         token = token.get("content")
