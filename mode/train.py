@@ -90,7 +90,7 @@ class TrainResult:
         return f"val loss {self.val_loss:.4f} ({bits / self.bytes_per_token:.3f} bits/byte)"
 
 
-def _fit_vocab(model_cfg: ModelConfig, corpus: Corpus) -> ModelConfig:
+def _fit_vocab(model_cfg: ModelConfig, corpus: Corpus, source: str = "the data") -> ModelConfig:
     """``model_cfg`` with room for the data's ids: a declared vocabulary (a tokenizer's, a
     prepared directory's meta) larger than ``model.vocab_size`` becomes it; ids found by
     scanning token files must fit."""
@@ -98,8 +98,8 @@ def _fit_vocab(model_cfg: ModelConfig, corpus: Corpus) -> ModelConfig:
         return model_cfg
     if corpus.tokenizer in (None, "bytes"):
         raise ValueError(
-            f"model.vocab_size={model_cfg.vocab_size} is too small: the data's ids need {corpus.vocab_size} "
-            "(data of another tokenizer?)"
+            f"model.vocab_size={model_cfg.vocab_size} is too small: the ids of data.source={source!r} need "
+            f"{corpus.vocab_size} (token ids of another tokenizer?)"
         )
     return dataclasses.replace(model_cfg, vocab_size=corpus.vocab_size)
 
@@ -248,7 +248,7 @@ class Run:
         data = load_corpus(
             cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir, cfg.data.tokenizer
         )
-        cfg.model = _fit_vocab(cfg.model, data)
+        cfg.model = _fit_vocab(cfg.model, data, cfg.data.source)
         ckpt = Path(tc.out_dir) / ("ckpt" if ctx else "ckpt.pt")
         resume_from = checkpoint.latest(ckpt) if tc.resume else None
         if model is None and tc.init_from and resume_from is None:

@@ -257,3 +257,15 @@ def test_mode_train_fine_tunes_a_published_moe_model_from_the_command_line(famil
     assert_close(logits(back, idx), logits(model, idx), "model")
     staged = MoDETransformer.from_checkpoint(tmp_path / "mode_staged" / "ckpt.pt")
     assert "mode_staged" in staged.cfg.block_kinds()
+
+
+def test_token_ids_past_the_published_vocabulary_are_named_with_the_data(published, tmp_path):
+    """Token files (no tokenizer known) whose ids need more than the published model's 320:
+    refused at start, naming the data and the sizes, not at the first forward."""
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, 400, 5000).astype(np.uint16)
+    ids.tofile(tmp_path / "tokens.bin")
+    run = [*RUN, f"train.out_dir={tmp_path / 'run'}", f"data.source={tmp_path / 'tokens.bin'}"]
+    with pytest.raises(ValueError, match=r"model.vocab_size=320 is too small: the ids of data.source=.*tokens.bin"):
+        main(["--config", "dense", "--init-from", f"hf:{published / 'llama'}", *run])
