@@ -550,11 +550,7 @@ def load_newest_good(
     """Load the newest checkpoint at ``path`` that passes its checks (``latest``, then the
     older ones ``keep`` > 1 left beside it, newest first), saying through ``warn`` which
     were skipped and why; None when there is none. ``CheckpointError`` when every one fails."""
-    candidates = []
-    first = latest(path)
-    if first is not None:
-        candidates.append(first)
-    candidates += [p for p in reversed(_history(Path(path))) if p not in candidates]
+    candidates = resume_candidates(path)
     errors = []
     rank = dist.get_rank() if dist.is_initialized() else 0
     for candidate in candidates:
@@ -572,6 +568,16 @@ def load_newest_good(
     if errors:
         raise CheckpointError("no checkpoint at " + str(path) + " passes its checks: " + "; ".join(errors))
     return None
+
+
+def resume_candidates(path: str | Path) -> list[Path]:
+    """The checkpoints a resume at ``path`` tries, newest first: ``latest(path)``, then the
+    older ones ``keep_checkpoints`` > 1 left beside it."""
+    candidates = []
+    first = latest(path)
+    if first is not None:
+        candidates.append(first)
+    return candidates + [p for p in reversed(_history(Path(path))) if p not in candidates]
 
 
 def _barrier() -> None:

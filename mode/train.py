@@ -131,10 +131,15 @@ def resumed_model_config(cfg: Config) -> tuple[ModelConfig, str, str] | None:
     if not cfg.train.resume:
         return None
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    found = checkpoint.latest(Path(cfg.train.out_dir) / ("ckpt" if sharded else "ckpt.pt"))
-    if found is None:
+    found, stored = None, None
+    for candidate in checkpoint.resume_candidates(Path(cfg.train.out_dir) / ("ckpt" if sharded else "ckpt.pt")):
+        try:  # a damaged one is skipped here as the resume itself skips it (and says so)
+            found, stored = candidate, checkpoint.checkpoint_config(candidate)
+            break
+        except (checkpoint.CheckpointError, OSError, ValueError):
+            continue
+    if stored is None:
         return None
-    stored = checkpoint.checkpoint_config(found)
     try:
         preset = _flat(to_dict(load_config(cfg.name))["model"])
     except (ValueError, FileNotFoundError):  # not a preset's name: every field counts as chosen
