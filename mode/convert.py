@@ -68,7 +68,7 @@ def load_dense(source: str | Path | MoDETransformer | StateDict, config: ModelCo
     if is_hf(source):
         from mode.hf import from_hf  # noqa: PLC0415  (the hf extra)
 
-        model = from_hf(str(source)[len(HF_PREFIX) :])
+        model = from_hf(published_dir(source))
         return model.state_dict(), model.cfg
     path = Path(source)
     if not path.exists():
@@ -84,11 +84,16 @@ def is_hf(source: object) -> bool:
     return isinstance(source, (str, Path)) and str(source).startswith(HF_PREFIX)
 
 
+def published_dir(source: str | Path) -> Path:
+    """The directory an ``hf:<dir>`` source names."""
+    return Path(str(source).removeprefix(HF_PREFIX))
+
+
 def hf_source_config(source: str | Path) -> ModelConfig:
     """The ``ModelConfig`` of an ``hf:<dir>`` source, dense or MoE (reads its ``config.json`` only)."""
     from mode.hf import config_from_hf, hf_config  # noqa: PLC0415
 
-    return config_from_hf(hf_config(str(source)[len(HF_PREFIX) :]))
+    return config_from_hf(hf_config(published_dir(source)))
 
 
 # what a target takes over from a published model: every model field but these
@@ -99,11 +104,20 @@ KEPT_BY_TARGET = ("layout", "mod", "moe", "early_exit", "attention", "seq_len")
 MATCHED = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in (*KEPT_BY_TARGET, "d_ff", "mlp_ratio"))
 
 
+def _taken_from(published: ModelConfig) -> dict:
+    """The fields a target takes from a published model: all but ``KEPT_BY_TARGET``, and
+    ``seq_len`` when its positions are learned (they end there)."""
+    taken = {
+        f.name: getattr(published, f.name) for f in dataclasses.fields(ModelConfig) if f.name not in KEPT_BY_TARGET
+    }
+    if published.positions == "learned":
+        taken["seq_len"] = published.seq_len
+    return taken
+
+
 def with_dense_shape(target: ModelConfig, dense: ModelConfig) -> ModelConfig:
     """``target`` with the dense model's shape and architecture (see the module docstring)."""
-    taken = {f.name: getattr(dense, f.name) for f in dataclasses.fields(ModelConfig) if f.name not in KEPT_BY_TARGET}
-    if dense.positions == "learned":
-        taken["seq_len"] = dense.seq_len
+    taken = _taken_from(dense)
     moe = target.moe
     if any_kind(target.block_kinds(), "holds_experts"):
         mlp = dense.mlp if dense.mlp in ("gelu", "swiglu") else moe.mlp  # else refused by check_convertible
@@ -156,12 +170,8 @@ def with_published_moe(target: ModelConfig, published: ModelConfig) -> ModelConf
                 f"a published MoE model becomes {list(TARGETS_OF_PUBLISHED_MOE)} blocks, not {kind!r}",
             )
     kinds = [WRAPPED.get((have, want), have) for have, want in zip(published.block_kinds(), wanted, strict=True)]
-    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in KEPT_BY_TARGET]
-    taken = {name: getattr(published, name) for name in fields}
-    if published.positions == "learned":
-        taken["seq_len"] = published.seq_len
     moe = dataclasses.replace(published.moe, **{k: getattr(target.moe, k) for k in MOE_KEPT_BY_TARGET})
-    return dataclasses.replace(target, **taken, layout=",".join(kinds), moe=moe)
+    return dataclasses.replace(target, **_taken_from(published), layout=",".join(kinds), moe=moe)
 
 
 def published_shape(target: ModelConfig, published: ModelConfig) -> ModelConfig:
@@ -241,16 +251,26 @@ def upcycle(
     if is_hf(source):
         tcfg = with_dense_shape(tcfg, dcfg)
     check_convertible(dcfg, tcfg)
+    model = _seeded_model(tcfg, seed, state)
+    for i, block in enumerate(model.blocks):
+        _fill_block(block, _block_state(state, i), gen, noise, router_std, gate_init)
+    return model
+
+
+def _seeded_model(cfg: ModelConfig, seed: int, state: StateDict) -> MoDETransformer:
+    """The model ``cfg`` built under ``seed`` (the global RNG left as it was), holding the
+    source's weights outside the blocks (embeddings, final norm, head)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = MoDETransformer(tcfg)
-    own = {k: v for k, v in state.items() if not k.startswith("blocks.")}
-    model.load_state_dict(own, strict=False)
-    for i, block in enumerate(model.blocks):
-        prefix = f"blocks.{i}."
-        dense_block = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        _fill_block(block, dense_block, gen, noise, router_std, gate_init)
+        model = MoDETransformer(cfg)
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith("blocks.")}, strict=False)
     return model
+
+
+def _block_state(state: StateDict, i: int) -> StateDict:
+    """Block ``i``'s weights in a whole model's state dict, under the block's own names."""
+    prefix = f"blocks.{i}."
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 @torch.no_grad()
@@ -261,13 +281,9 @@ def _wrap_published_moe(
     ``state``: its blocks as they are, inside a MoD router where wrapped (started as
     upcycling starts one), and an integrated block's router keeping the published rows of
     its real experts, the no-op experts' rows starting small and random."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = MoDETransformer(cfg)
-    model.load_state_dict({k: v for k, v in state.items() if not k.startswith("blocks.")}, strict=False)
+    model = _seeded_model(cfg, seed, state)
     for i, block in enumerate(model.blocks):
-        prefix = f"blocks.{i}."
-        published = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        published = _block_state(state, i)
         if isinstance(block, MoDBlock):
             _start_mod_router(block, gen, router_std, gate_init)
             block.block.load_state_dict(published)

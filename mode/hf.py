@@ -601,13 +601,12 @@ def to_hf(
     else:
         theirs = _gpt2_out(state, cfg) if family == "gpt2" else _llama_out(state, cfg, family)
         config = _config_out(cfg, family, next(iter(theirs.values())).dtype)
-    if tokenizer is not None:
-        checked_tokenizer(tokenizer, cfg.vocab_size)  # before anything is written
+    tok = checked_tokenizer(tokenizer, cfg.vocab_size) if tokenizer is not None else None  # before any write
     path.mkdir(parents=True, exist_ok=True)
     _remove_stale_export(path)
     config |= dict.fromkeys(SPECIAL_IDS)  # never a transformers class's defaults
-    if tokenizer is not None:
-        config |= write_token_files(path, tokenizer, cfg.vocab_size, cfg.seq_len)
+    if tok is not None:
+        config |= write_token_files(path, tokenizer, tok, cfg.vocab_size, cfg.seq_len)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in theirs.items()}, path / "model.safetensors", metadata={"format": "pt"})
     if family is None:

@@ -25,9 +25,17 @@ from pathlib import Path
 
 from mode.checks import read_json_object
 from mode.config import Config
-from mode.convert import HF_PREFIX, is_hf
+from mode.convert import is_hf, published_dir
 from mode.data import source_tokenizer
-from mode.tokenizer import CONFIG_NAME, BPETokenizer, ByteTokenizer, load_tokenizer, vocabulary
+from mode.tokenizer import (
+    CONFIG_NAME,
+    BPETokenizer,
+    ByteTokenizer,
+    declared_token,
+    load_tokenizer,
+    same_tokenizer,
+    write_tokenizer_config,
+)
 
 __all__ = [
     "SPECIAL_IDS",
@@ -92,17 +100,12 @@ def _source_ids(directory: Path, vocab_size: int) -> dict:
     return {k: fields[k] for k in SPECIAL_IDS if _valid_id(fields.get(k), vocab_size)}
 
 
-def _declared_id(tok, field: str) -> int | None:
+def _declared_id(tok: ByteTokenizer | BPETokenizer, field: str) -> int | None:
     """The id of the token ``tokenizer_config.json`` declares as ``field`` (e.g. "bos_token")."""
-    config = Path(tok.name).parent / CONFIG_NAME
-    if isinstance(tok, ByteTokenizer) or not config.is_file():
+    if isinstance(tok, ByteTokenizer):
         return None
-    try:
-        token = read_json_object(config).get(field)
-    except ValueError:
-        return None
-    token = token.get("content") if isinstance(token, dict) else token
-    return tok.tokenizer.token_to_id(token) if isinstance(token, str) else None
+    token = declared_token(Path(tok.name), field)  # the file was read when tok was loaded
+    return tok.tokenizer.token_to_id(token) if token is not None else None
 
 
 def _copy(source: Path, out: Path) -> None:
@@ -119,11 +122,9 @@ def export_tokenizer(cfg: Config) -> str | Path | None:
     ``tokenizer.json``); None for token files of no known tokenizer."""
     spec = source_tokenizer(cfg.data.source, cfg.data.tokenizer)
     if spec is not None and is_hf(cfg.train.init_from):
-        published = Path(str(cfg.train.init_from).removeprefix(HF_PREFIX))
-        if (published / "tokenizer.json").is_file():
-            same = vocabulary(load_tokenizer(published)) == vocabulary(load_tokenizer(spec))
-            if same:
-                return published
+        published = published_dir(cfg.train.init_from)
+        if (published / "tokenizer.json").is_file() and same_tokenizer(published, spec):
+            return published
     return spec
 
 
@@ -135,11 +136,12 @@ def checked_tokenizer(tokenizer: str | Path, vocab_size: int) -> ByteTokenizer |
     return tok
 
 
-def write_token_files(out: Path, tokenizer: str | Path, vocab_size: int, seq_len: int) -> dict:
-    """Write ``tokenizer``'s files into the export ``out`` (see the module docstring) and return
-    the special ids for its ``config.json`` (each key of ``SPECIAL_IDS``, None when unknown).
-    ``ValueError`` when the tokenizer has more ids than the model (``vocab_size``)."""
-    tok = checked_tokenizer(tokenizer, vocab_size)
+def write_token_files(
+    out: Path, tokenizer: str | Path, tok: ByteTokenizer | BPETokenizer, vocab_size: int, seq_len: int
+) -> dict:
+    """Write ``tokenizer``'s files (``tok``: it, loaded by ``checked_tokenizer``) into the
+    export ``out`` (see the module docstring) and return the special ids for its
+    ``config.json`` (each key of ``SPECIAL_IDS``, None when unknown)."""
     source = Path(str(tokenizer))
     home = source if source.is_dir() else source.parent  # where the tokenizer's files are
     if isinstance(tok, ByteTokenizer) or home.resolve() != out.resolve():
@@ -149,8 +151,6 @@ def write_token_files(out: Path, tokenizer: str | Path, vocab_size: int, seq_len
     ids = dict.fromkeys(SPECIAL_IDS)
     if isinstance(tok, ByteTokenizer):
         byte_level_tokenizer().save(str(out / "tokenizer.json"))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}
-        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     elif source.is_dir():
         for name in TOKEN_FILES:
             _copy(source / name, out)
@@ -161,10 +161,8 @@ def write_token_files(out: Path, tokenizer: str | Path, vocab_size: int, seq_len
             shutil.move(out / source.name, out / "tokenizer.json")
         _copy(source.parent / CONFIG_NAME, out)
     if not (out / CONFIG_NAME).is_file():  # AutoTokenizer needs to be told the class
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}
-        if tok.eos_token is not None:
-            config["eos_token"] = tok.eos_token
-        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        declared = {"eos_token": tok.eos_token} if tok.eos_token is not None else {}
+        write_tokenizer_config(out, model_max_length=seq_len, **declared)
     if ids["eos_token_id"] is None:
         ids["eos_token_id"] = tok.eos_id
     if ids["bos_token_id"] is None:

@@ -89,19 +89,24 @@ class BPETokenizer:
         in ``tokenizer_config.json`` beside it (as Hugging Face directories declare it)."""
         self.tokenizer.save(str(path))
         if self.eos_token is not None:
-            config = {"eos_token": self.eos_token, "tokenizer_class": "PreTrainedTokenizerFast"}
-            (Path(path).parent / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+            write_tokenizer_config(Path(path).parent, eos_token=self.eos_token)
 
 
-def declared_eos_token(tokenizer_file: Path) -> str | None:
-    """``eos_token`` of the ``tokenizer_config.json`` beside ``tokenizer_file`` (a string, or
-    an added-token object's ``content``), or None when there is no such file or field.
-    ``ValueError`` naming the file when it is not a JSON object or too large for one."""
+def write_tokenizer_config(directory: Path, **fields) -> None:
+    """``directory/tokenizer_config.json``: the class ``AutoTokenizer`` builds for a
+    ``tokenizer.json`` and ``fields`` (e.g. ``eos_token``, ``model_max_length``)."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **fields}
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def declared_token(tokenizer_file: Path, field: str = "eos_token") -> str | None:
+    """The token the ``tokenizer_config.json`` beside ``tokenizer_file`` declares as ``field``
+    (a string, or an added-token object's ``content``), or None when there is no such file or
+    field. ``ValueError`` naming the file when it is not a JSON object or too large for one."""
     config = tokenizer_file.parent / CONFIG_NAME
     if not config.is_file():
         return None
-    fields = read_json_object(config)
-    token = fields.get("eos_token")
+    token = read_json_object(config).get(field)
     if isinstance(token, dict):
         token = token.get("content")
     return token if isinstance(token, str) and token else None
@@ -113,6 +118,12 @@ def vocabulary(tokenizer: ByteTokenizer | BPETokenizer) -> dict[str, int] | str:
     if isinstance(tokenizer, ByteTokenizer):
         return "bytes"
     return tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+
+
+def same_tokenizer(given: str | Path, expected: str | Path) -> bool:
+    """Whether the tokenizers ``given`` and ``expected`` (``load_tokenizer`` specs) give a text
+    the same ids (equal ``vocabulary``)."""
+    return vocabulary(load_tokenizer(given)) == vocabulary(load_tokenizer(expected))
 
 
 def check_same_tokenizer(given: str | Path, expected: str | Path, what: str, fix: str) -> None:
@@ -145,7 +156,7 @@ def load_tokenizer(spec: str | Path) -> ByteTokenizer | BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer  # noqa: PLC0415  (the hf extra)
     except ImportError as e:
         raise ImportError("a tokenizer.json needs the tokenizers package: pip install 'mode-moe[hf]'") from e
-    return BPETokenizer(HFTokenizer.from_file(str(path)), str(path), declared_eos_token(path))
+    return BPETokenizer(HFTokenizer.from_file(str(path)), str(path), declared_token(path))
 
 
 def train_bpe(files: list[str | Path], vocab_size: int) -> BPETokenizer:

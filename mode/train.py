@@ -33,7 +33,7 @@ from mode import checkpoint, run_dir, telemetry
 from mode.cadence import Cadence
 from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, from_dict, load_config, preset_names, to_dict
-from mode.convert import HF_PREFIX, hf_source_config, is_hf, published_shape, upcycle
+from mode.convert import HF_PREFIX, hf_source_config, is_hf, published_dir, published_shape, upcycle
 from mode.data import Corpus, TokenSplit, load_corpus, source_tokenizer
 from mode.evaluation import evaluate_batches, rank_rows, sampled_windows
 from mode.flops import print_flops, train_flops_per_step
@@ -149,14 +149,14 @@ def resumed_model_config(cfg: Config) -> tuple[ModelConfig, str, str] | None:
     init_from = cfg.train.init_from or stored.train.init_from
     if not chosen:
         return stored.model, f"model from {found}", init_from
-    merged = from_dict({**to_dict(stored), "model": {**to_dict(stored)["model"]}})
-    for key, value in chosen.items():
-        target = merged.model
+    values = to_dict(stored)
+    for key, value in chosen.items():  # "moe.lb_coef" -> values["model"]["moe"]["lb_coef"]
         *path, last = key.split(".")
+        node = values["model"]
         for part in path:
-            target = getattr(target, part)
-        setattr(target, last, value)
-    merged = from_dict(to_dict(merged))  # validated again
+            node = node[part]
+        node[last] = value
+    merged = from_dict(values)  # validated
     if _weight_shapes(merged.model) != _weight_shapes(stored.model):
         said = ", ".join(f"model.{k}={v!r} (the checkpoint's: {kept[k]!r})" for k, v in sorted(chosen.items()))
         raise ValueError(
@@ -176,14 +176,14 @@ def data_tokenizer(cfg: Config) -> str:
     said = "token ids of no known tokenizer" if spec is None else spec
     if not is_hf(cfg.train.init_from):
         return said
-    hf_dir = Path(str(cfg.train.init_from).removeprefix(HF_PREFIX))
+    hf_dir = published_dir(cfg.train.init_from)
     if not (hf_dir / "tokenizer.json").is_file():
         return f"{said} (the published model {hf_dir} has no tokenizer.json to compare with)"
     if spec is None:
         return f"{said}, taken as the ids of {hf_dir / 'tokenizer.json'}"
     fix = (
         f"train on data in its tokenizer: mode-prepare <text files> --out DIR --tokenizer {hf_dir}, then "
-        "data.source=DIR (or data.tokenizer=" + str(hf_dir) + " for a text file)"
+        f"data.source=DIR (or data.tokenizer={hf_dir} for a text file)"
     )
     check_same_tokenizer(spec, hf_dir, f"the published model {hf_dir}", fix)
     return f"{spec}, the published model's"

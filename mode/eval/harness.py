@@ -59,10 +59,9 @@ class ModeLM(LM):
         **kwargs,
     ) -> None:
         super().__init__()
-        device = str(harness_device(device))
+        self._device = harness_device(device)
         model, data = load_model(pretrained)
-        self.model = model.to(device).eval()
-        self._device = torch.device(device)
+        self.model = model.to(self._device).eval()
         spec = tokenizer or data["tokenizer"]
         if spec is None:
             raise ValueError(f"{pretrained} names no tokenizer: pass model_args tokenizer=<bytes|tokenizer.json>")
@@ -70,7 +69,7 @@ class ModeLM(LM):
         self.routing = routing or self.model.default_routing()
         if self.routing not in ("topk", "causal"):
             raise ValueError(f"routing={self.routing!r}: choose topk or causal")
-        self.device_name = device
+        self.device_name = str(self._device)
 
     @property
     def max_length(self) -> int:
