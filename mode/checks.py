@@ -1,9 +1,10 @@
-"""Argument checks shared by the layers' keyword constructors and the config dataclasses.
+"""Argument checks used by the options dataclasses and the layers.
 
-Each routed module validates its own options in one function (``check_mod_args``,
-``check_moe_args``); the configs call the same function with a field prefix (``model.moe.``),
-so a message names the argument or the config field, the bad value and what is allowed.
-This module is a leaf: it imports nothing of ours.
+Each layer's options are written and validated once, in its options dataclass
+(``MoEConfig``, ``RoutingConfig``, ``EarlyExitConfig``, ``Arch``), whose ``field_prefix``
+names them: ``model.moe.`` when a config builds it, "" when a layer builds it from its
+keyword arguments; so a message names the argument or the config field, the bad value and
+what is allowed. This module is a leaf: it imports nothing of ours.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mode.checks import ConfigError, check_choice, check_positive, check_range, closest, fail
-from mode.experts.moe import MoEConfig, expert_width
-from mode.layers.arch import DENSE_MLP_KINDS, NORM_KINDS, POSITION_KINDS, Arch
+from mode.experts.moe import MoEConfig
+from mode.layers.arch import Arch
 from mode.layers.attention import ATTENTION_BACKENDS
-from mode.layers.early_exit import EarlyExitConfig, check_early_exit_args
+from mode.layers.early_exit import EarlyExitConfig
 from mode.layers.kinds import BLOCK_KINDS, any_kind
 from mode.layers.mod import RoutingConfig
 from mode.layers.recompute import ACTIVATION_CHECKPOINTS
@@ -100,27 +100,16 @@ class ModelConfig:
             check_positive(f"model.{name}", getattr(self, name))
         if self.d_model % self.n_heads:
             fail("model.d_model", self.d_model, f"must be divisible by n_heads={self.n_heads}")
-        check_choice("model.positions", self.positions, POSITION_KINDS)
-        if self.positions == "rope" and (self.d_model // self.n_heads) % 2:
+        check_positive("model.n_kv_heads", self.n_kv_heads, allow_zero=True)  # 0: one per query head
+        arch = self.arch()  # validates the architecture options (``Arch``, errors name model.<field>)
+        if arch.rope and (self.d_model // self.n_heads) % 2:
             fail("model.n_heads", self.n_heads, "head dim d_model/n_heads must be even for RoPE")
-        check_positive("model.rope_base", self.rope_base)
+        arch.kv_heads(self.n_heads, field_prefix="model.")
         check_choice("model.attention", self.attention, ATTENTION_BACKENDS)
-        check_choice("model.norm", self.norm, NORM_KINDS)
-        check_positive("model.norm_eps", self.norm_eps)
-        check_choice("model.mlp", self.mlp, DENSE_MLP_KINDS)
         check_positive("model.d_ff", self.d_ff, allow_zero=True)
-        check_positive("model.n_kv_heads", self.n_kv_heads, allow_zero=True)
-        if self.n_kv_heads and self.n_heads % self.n_kv_heads:
-            fail("model.n_kv_heads", self.n_kv_heads, f"must divide n_heads={self.n_heads} (0: one per query head)")
         kinds = self.block_kinds()  # validates the layout
         if self.early_exit.enabled:
-            check_early_exit_args(
-                self.early_exit.threshold,
-                self.early_exit.loss_coef,
-                self.early_exit.min_layer,
-                self.n_layers,
-                prefix="model.early_exit.",
-            )
+            self.early_exit.check_depth(self.n_layers)
             if set(kinds) != {"dense"}:
                 fail(
                     "model.early_exit.enabled",
@@ -149,6 +138,7 @@ class ModelConfig:
             positions=self.positions,
             rope_base=self.rope_base,
             qk_norm=self.qk_norm,
+            field_prefix="model.",
         )
 
     def dense_d_ff(self) -> int:
@@ -158,7 +148,7 @@ class ModelConfig:
     def expert_d_ff(self) -> int:
         """Per-expert hidden size: ``moe.d_ff``, or ``mlp_ratio * d_model // top_k`` so that a
         token's active expert FLOPs match the dense MLP."""
-        return self.moe.d_ff or expert_width(self.d_model, self.moe.top_k, self.mlp_ratio)
+        return self.moe.width(self.d_model, self.mlp_ratio)
 
     def block_kinds(self) -> list[str]:
         """The per-layer block kinds, the layout pattern tiled to n_layers."""

@@ -654,7 +654,7 @@ def _config_out(cfg: ModelConfig, family: str, dtype: torch.dtype) -> dict:
         "intermediate_size": cfg.expert_d_ff() if family in ("mixtral", "olmoe") else cfg.dense_d_ff(),
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+        "num_key_value_heads": cfg.arch().kv_heads(cfg.n_heads),
         "head_dim": cfg.d_model // cfg.n_heads,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_len,
@@ -702,7 +702,8 @@ def _config_out(cfg: ModelConfig, family: str, dtype: torch.dtype) -> dict:
 
 def _llama_out(state: StateDict, cfg: ModelConfig, family: str) -> StateDict:
     Dh = cfg.d_model // cfg.n_heads
-    qkv_rows = (cfg.n_heads * Dh, (cfg.n_kv_heads or cfg.n_heads) * Dh, (cfg.n_kv_heads or cfg.n_heads) * Dh)
+    kv_rows = cfg.arch().kv_heads(cfg.n_heads) * Dh
+    qkv_rows = (cfg.n_heads * Dh, kv_rows, kv_rows)
     out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]

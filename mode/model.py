@@ -76,7 +76,7 @@ class MoDETransformer(nn.Module):
                 module.set_backend(cfg.attention)
         self.norm = make_norm(cfg.d_model, cfg.arch())
         ee = cfg.early_exit
-        self.early_exit = EarlyExit(cfg.n_layers, ee.threshold, ee.loss_coef, ee.min_layer) if ee.enabled else None
+        self.early_exit = EarlyExit(cfg.n_layers, ee) if ee.enabled else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight

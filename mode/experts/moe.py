@@ -5,9 +5,9 @@
 All have the same parameters, so one checkpoint loads in any of them. ``forward(x [..., D])
 -> [..., D]``; auxiliary losses and metrics of the last forward stay on the module (see
 ``mode.routed``). No-op experts (``n_noop``) output zero and cost no GEMM: the integrated
-MoDE block uses them. ``check_moe_args`` is the one place that validates the options (the
-keyword constructors and ``MoEConfig`` both call it); ``from_config`` builds a layer from
-``MoEConfig``.
+MoDE block uses them. ``MoEConfig`` is the one place the options are written and
+validated; a layer takes one (``opts``) or builds one from its keywords, and
+``build_moe_layer`` is how blocks get theirs.
 
 Legend: N tokens, D model dim, F expert hidden, E real experts, E0 = E + n_noop router
 outputs, K experts per token, C slots per expert, M assignments computed.
@@ -15,7 +15,7 @@ outputs, K experts per token, C slots per expert, M assignments computed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 from torch import nn
@@ -23,10 +23,9 @@ from torch import nn
 from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range, fail
 from mode.experts.dispatch import Dispatcher, LocalDispatcher
 from mode.experts.grouped_gemm import BACKEND_NAMES
-from mode.experts.mlp import MLP_KINDS, ExpertMLP, MlpKind, mlp_flops
+from mode.experts.mlp import MLP_KINDS, ExpertMLP, mlp_flops
 from mode.experts.permute import (
     TOKEN_MOVES,
-    TokenMoves,
     computed,
     padded_combine,
     padded_dispatch,
@@ -36,7 +35,6 @@ from mode.experts.permute import (
 from mode.routed import Routed, Router, measuring, recomputing
 from mode.routing.losses import (
     LB_SCOPES,
-    LbScope,
     expert_load,
     load_balance_loss,
     router_z_loss,
@@ -46,7 +44,6 @@ from mode.routing.losses import (
 from mode.routing.token_choice import (
     DROP_POLICIES,
     MOE_ROUTERS,
-    DropPolicy,
     TokenChoice,
     capacity_rank,
     expert_capacity,
@@ -62,62 +59,34 @@ def expert_width(d_model: int, top_k: int, mlp_ratio: int = 4) -> int:
     return max(1, mlp_ratio * d_model // top_k)
 
 
-def check_moe_args(
-    n_experts: int,
-    top_k: int,
-    mlp: str = "gelu",
-    backend: str = "auto",
-    jitter: float = 0.0,
-    capacity_factor: float = 1.25,
-    drop_policy: str = "position",
-    n_noop: int = 0,
-    noop_share: float = 0.5,
-    lb_coef: float = 0.01,
-    lb_scope: str = "micro_batch",
-    z_coef: float = 0.001,
-    bias_rate: float = 0.0,
-    token_moves: str = "auto",
-    shared_expert: bool = False,
-    shared_d_ff: int = 0,
-    shared_gate: bool = False,
-    prefix: str = "",
-    **_: object,
-) -> None:
-    """``ConfigError`` (a ``ValueError``) naming ``prefix + argument``, the value and the fix."""
-    check_int(prefix + "n_experts", n_experts)
-    check_positive(prefix + "n_experts", n_experts)
-    check_int(prefix + "n_noop", n_noop)
-    check_positive(prefix + "n_noop", n_noop, allow_zero=True)
-    check_int(prefix + "top_k", top_k)
-    if not 1 <= top_k <= n_experts + n_noop:
-        fail(prefix + "top_k", top_k, f"must be in [1, n_experts + n_noop = {n_experts + n_noop}]")
-    check_choice(prefix + "mlp", mlp, MLP_KINDS)
-    check_choice(prefix + "backend", backend, (*BACKEND_NAMES, "auto"))
-    check_positive(prefix + "jitter", jitter, allow_zero=True)
-    check_positive(prefix + "capacity_factor", capacity_factor)
-    check_choice(prefix + "drop_policy", drop_policy, DROP_POLICIES)
-    check_range(prefix + "noop_share", noop_share, 0.0, 1.0)
-    check_positive(prefix + "lb_coef", lb_coef, allow_zero=True)
-    check_choice(prefix + "lb_scope", lb_scope, LB_SCOPES)
-    check_positive(prefix + "z_coef", z_coef, allow_zero=True)
-    check_positive(prefix + "bias_rate", bias_rate, allow_zero=True)
-    check_choice(prefix + "token_moves", token_moves, TOKEN_MOVES)
-    check_int(prefix + "shared_d_ff", shared_d_ff)
-    check_positive(prefix + "shared_d_ff", shared_d_ff, allow_zero=True)
-    for name, value in (("shared_d_ff", shared_d_ff), ("shared_gate", shared_gate)):
-        if value and not shared_expert:
-            fail(prefix + name, value, "applies to the shared expert: set shared_expert=true, or leave it unset")
-
-
 @dataclass
 class MoEConfig:
-    """Experts in the MLP: routing, capacity, losses, backend.
+    """Experts in the MLP: routing, capacity, losses, backend; the one place these options are
+    written and validated (``model.moe`` in a config; the MoE layers take one as ``opts``, or
+    build one from their keywords).
 
-    d_ff: hidden size of each expert; 0 means ``mlp_ratio * d_model // top_k`` so that the
-        active FLOPs per token match the dense MLP.
+    n_experts, top_k: real experts and experts per token (expert choice: the average).
+    d_ff: hidden size of each expert; 0 means ``mlp_ratio * d_model // top_k`` (``width``) so
+        that the active FLOPs per token match the dense MLP.
+    mlp: "gelu" or "swiglu". backend: "auto", "chunked", "torch", "loop" or "megablocks"
+        (``mode.experts.grouped_gemm``). router: "token_choice" or "expert_choice".
+    renormalize: top-k combine weights sum to one. jitter: router input noise (training).
+    capacity_factor, drop_policy: capacity MoE / expert-choice slots.
+    shared_expert: add a dense MLP that every token goes through, ``shared_d_ff`` wide (0:
+        d_ff); ``shared_gate`` scales it by ``sigmoid(x @ w)``, one learned projection (Qwen2-MoE).
     n_noop: no-op experts of the integrated MoDE block (output zero, cost nothing).
     noop_share: target share of assignments to the no-op experts in the load-balance loss.
+    lb_coef, z_coef: load-balance and z-loss coefficients.
+    lb_scope: the tokens the balance loss sees: "micro_batch" (this forward's), "sequence"
+        (each sequence, averaged) or "global_batch" (this forward's on every rank of the
+        layer's ``balance_group``, set by ``mode.parallel.expert_parallel.set_balance_group``;
+        the micro-batch in a single process).
     bias_rate: aux-loss-free balancing (per-expert selection bias) update rate; 0 disables it.
+    token_moves: "auto", "embedding_bag" or "index": how the dropless path moves token rows
+        around its grouped GEMMs (``mode.experts.permute``).
+
+    ``field_prefix`` (not a field) is how errors name an option: ``model.moe.`` for a config,
+    "" for a layer's keyword arguments.
     """
 
     n_experts: int = 8
@@ -131,23 +100,61 @@ class MoEConfig:
     capacity_factor: float = 1.25
     drop_policy: str = "position"
     shared_expert: bool = False
-    shared_d_ff: int = 0  # the shared expert's width; 0: d_ff
-    shared_gate: bool = False  # scale the shared expert by sigmoid(a learned projection) (Qwen2-MoE)
+    shared_d_ff: int = 0
+    shared_gate: bool = False
     n_noop: int = 0
     noop_share: float = 0.5
     lb_coef: float = 0.01
-    lb_scope: str = "micro_batch"  # micro_batch | sequence | global_batch (mode.routing.losses)
+    lb_scope: str = "micro_batch"
     z_coef: float = 0.001
     bias_rate: float = 0.0
-    token_moves: str = "auto"  # auto | embedding_bag | index (mode.experts.permute)
+    token_moves: str = "auto"
+    field_prefix: InitVar[str] = "model.moe."
 
-    def __post_init__(self) -> None:
-        check_moe_args(**vars(self), prefix="model.moe.")
-        check_int("model.moe.d_ff", self.d_ff)
-        check_positive("model.moe.d_ff", self.d_ff, allow_zero=True)
-        check_choice("model.moe.router", self.router, MOE_ROUTERS)
+    def __post_init__(self, field_prefix: str) -> None:
+        def name(field: str) -> str:
+            return field_prefix + field
+
+        for field in ("n_experts", "n_noop", "top_k", "d_ff", "shared_d_ff"):
+            check_int(name(field), getattr(self, field))
+        check_positive(name("n_experts"), self.n_experts)
+        check_positive(name("n_noop"), self.n_noop, allow_zero=True)
+        if not 1 <= self.top_k <= self.n_experts + self.n_noop:
+            fail(name("top_k"), self.top_k, f"must be in [1, n_experts + n_noop = {self.n_experts + self.n_noop}]")
+        check_positive(name("d_ff"), self.d_ff, allow_zero=True)
+        check_choice(name("mlp"), self.mlp, MLP_KINDS)
+        check_choice(name("backend"), self.backend, (*BACKEND_NAMES, "auto"))
+        check_choice(name("router"), self.router, MOE_ROUTERS)
+        check_positive(name("jitter"), self.jitter, allow_zero=True)
+        check_positive(name("capacity_factor"), self.capacity_factor)
+        check_choice(name("drop_policy"), self.drop_policy, DROP_POLICIES)
+        check_range(name("noop_share"), self.noop_share, 0.0, 1.0)
+        check_positive(name("lb_coef"), self.lb_coef, allow_zero=True)
+        check_choice(name("lb_scope"), self.lb_scope, LB_SCOPES)
+        check_positive(name("z_coef"), self.z_coef, allow_zero=True)
+        check_positive(name("bias_rate"), self.bias_rate, allow_zero=True)
+        check_choice(name("token_moves"), self.token_moves, TOKEN_MOVES)
+        check_positive(name("shared_d_ff"), self.shared_d_ff, allow_zero=True)
+        for field in ("shared_d_ff", "shared_gate"):
+            if getattr(self, field) and not self.shared_expert:
+                fix = "applies to the shared expert: set shared_expert=true, or leave it unset"
+                fail(name(field), getattr(self, field), fix)
         if self.router == "expert_choice" and self.n_noop:
-            fail("model.moe.n_noop", self.n_noop, "expert-choice experts take no no-op experts: use 0")
+            fail(name("n_noop"), self.n_noop, "expert-choice experts take no no-op experts: use 0")
+
+    def width(self, d_model: int, mlp_ratio: int = 4) -> int:
+        """Each expert's hidden size: ``d_ff``, or ``expert_width(d_model, top_k, mlp_ratio)``."""
+        return self.d_ff or expert_width(d_model, self.top_k, mlp_ratio)
+
+
+def moe_options(opts: MoEConfig | None, options: dict, defaults: dict | None = None) -> MoEConfig:
+    """A layer's options: ``opts``, or a ``MoEConfig`` of its keyword ``options`` over
+    ``defaults`` (errors name the keyword); ``TypeError`` when both are given."""
+    if opts is None:
+        return MoEConfig(**{**(defaults or {}), **options}, field_prefix="")
+    if options:
+        raise TypeError(f"give the MoE options as opts or as keywords, not both: {sorted(options)}")
+    return opts
 
 
 def moe_flops(
@@ -176,76 +183,45 @@ def moe_flops(
 class MoELayer(Routed):
     """Router + experts + losses shared by the MoE layers.
 
-    Args:
-        d_model, d_ff: model and per-expert hidden sizes.
-        n_experts, top_k: real experts and experts per token (expert choice: the average).
-        mlp: "gelu" or "swiglu".
-        backend: "auto", "chunked", "torch", "loop" or "megablocks" (``mode.experts.grouped_gemm``).
-        renormalize: top-k combine weights sum to one. jitter: router input noise (training).
-        capacity_factor, drop_policy: capacity MoE / expert-choice slots.
-        shared_expert: add a dense MLP that every token goes through, ``shared_d_ff`` wide (0:
-            d_ff); ``shared_gate`` scales it by ``sigmoid(x @ w)``, one learned projection.
-        n_noop, noop_share: no-op experts and their target share in the balance loss.
-        lb_coef, z_coef: load-balance and z-loss coefficients.
-        lb_scope: the tokens the balance loss sees: "micro_batch" (this forward's), "sequence"
-            (each sequence, averaged) or "global_batch" (this forward's on every rank of
-            ``balance_group``, set by ``mode.parallel.expert_parallel.set_balance_group``;
-            the micro-batch in a single process).
-        bias_rate: aux-loss-free balancing rate (per-expert selection bias, fp32 buffer).
-        token_moves: "auto", "embedding_bag" or "index": how the dropless path moves token
-            rows around its grouped GEMMs (``mode.experts.permute``).
+    ``MoELayer(d_model, d_ff, n_experts, top_k, **options)`` or ``MoELayer(d_model, d_ff,
+    opts=MoEConfig(...))``: ``d_model`` and ``d_ff`` (the resolved per-expert width) are sizes;
+    every other option is a ``MoEConfig`` field (documented there) and ``opts`` keeps them
+    (``opts.d_ff`` and ``opts.router`` are the config's: the width is the argument, the router
+    kind the class). ``balance_group`` (runtime only) holds the ranks of the global batch for
+    ``lb_scope="global_batch"``.
     """
 
     def __init__(
         self,
         d_model: int,
         d_ff: int,
-        n_experts: int,
-        top_k: int = 2,
-        mlp: MlpKind = "gelu",
-        backend: str = "auto",
-        renormalize: bool = True,
-        jitter: float = 0.0,
-        capacity_factor: float = 1.25,
-        drop_policy: DropPolicy = "position",
-        shared_expert: bool = False,
-        n_noop: int = 0,
-        noop_share: float = 0.5,
-        lb_coef: float = 0.01,
-        lb_scope: LbScope = "micro_batch",
-        z_coef: float = 0.001,
-        bias_rate: float = 0.0,
-        token_moves: TokenMoves = "auto",
-        shared_d_ff: int = 0,
-        shared_gate: bool = False,
+        n_experts: int | None = None,
+        top_k: int | None = None,
+        *,
+        opts: MoEConfig | None = None,
+        **options: object,
     ) -> None:
         super().__init__()
-        check_moe_args(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
-        self.n_experts, self.top_k, self.n_noop = n_experts, top_k, n_noop
-        self.renormalize, self.jitter = renormalize, jitter
-        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
-        self.lb_coef, self.lb_scope, self.z_coef, self.bias_rate = lb_coef, lb_scope, z_coef, bias_rate
-        self.token_moves = token_moves
-        self.router = Router(d_model, n_experts + n_noop)
-        self.experts = ExpertMLP(n_experts, d_model, d_ff, mlp, backend)
-        real_share = 1.0 - (noop_share if n_noop else 0.0)
-        self.experts.active_fraction = min(1.0, top_k * real_share / n_experts)
-        self.shared = ExpertMLP(1, d_model, shared_d_ff or d_ff, mlp, backend) if shared_expert else None
-        self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_gate else None
-        self.register_buffer("target", target_shares(n_experts, n_noop, noop_share), persistent=False)
-        self.register_buffer("selection_bias", torch.zeros(n_experts + n_noop))
-        self.register_buffer("_load_sum", torch.zeros(n_experts + n_noop), persistent=False)
+        given = {k: v for k, v in (("n_experts", n_experts), ("top_k", top_k)) if v is not None}
+        self.opts = opts = moe_options(opts, {**given, **options})
+        self.n_experts, self.top_k, self.n_noop = opts.n_experts, opts.top_k, opts.n_noop
+        self.renormalize, self.jitter = opts.renormalize, opts.jitter
+        self.capacity_factor, self.drop_policy = opts.capacity_factor, opts.drop_policy
+        self.lb_coef, self.lb_scope, self.z_coef = opts.lb_coef, opts.lb_scope, opts.z_coef
+        self.bias_rate, self.token_moves = opts.bias_rate, opts.token_moves
+        E0 = opts.n_experts + opts.n_noop
+        self.router = Router(d_model, E0)
+        self.experts = ExpertMLP(opts.n_experts, d_model, d_ff, opts.mlp, opts.backend)
+        real_share = 1.0 - (opts.noop_share if opts.n_noop else 0.0)
+        self.experts.active_fraction = min(1.0, opts.top_k * real_share / opts.n_experts)
+        shared_d_ff = opts.shared_d_ff or d_ff
+        self.shared = ExpertMLP(1, d_model, shared_d_ff, opts.mlp, opts.backend) if opts.shared_expert else None
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if opts.shared_gate else None
+        self.register_buffer("target", target_shares(opts.n_experts, opts.n_noop, opts.noop_share), persistent=False)
+        self.register_buffer("selection_bias", torch.zeros(E0))
+        self.register_buffer("_load_sum", torch.zeros(E0), persistent=False)
         self.dispatcher: Dispatcher = LocalDispatcher()
-        self.balance_group = None  # ranks of the global batch (lb_scope="global_batch"); runtime only
-
-    @classmethod
-    def from_config(cls, d_model: int, cfg: MoEConfig, d_ff: int, n_noop: int = 0) -> MoELayer:
-        """The layer ``cfg`` describes, with per-expert width ``d_ff`` and ``n_noop`` no-op
-        experts (only the integrated MoDE block has them)."""
-        # every option of the config is a constructor keyword of the same name, but the
-        # width (given), the router kind (the class) and n_noop (only integrated blocks)
-        options = {k: v for k, v in vars(cfg).items() if k not in ("n_experts", "top_k", "d_ff", "router", "n_noop")}
-        return cls(d_model, d_ff, cfg.n_experts, cfg.top_k, n_noop=n_noop, **options)
+        self.balance_group = None
 
     def non_causal_reason(self) -> str | None:
         return None  # token choice: each token picks its experts from its own logits
@@ -341,9 +317,6 @@ class DroplessMoE(MoELayer):
     """Every assignment to a real expert is computed (MegaBlocks-style grouped GEMM over
     tokens sorted by expert); assignments to no-op experts cost nothing."""
 
-    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int = 2, **kwargs) -> None:
-        super().__init__(d_model, d_ff, n_experts, top_k, **kwargs)
-
     def _compute(self, x2: torch.Tensor, choice: TokenChoice) -> torch.Tensor:
         dispatch = sort_by_expert(choice.experts, self.n_experts, has_noop=self.n_noop > 0)
         if measuring():
@@ -356,9 +329,6 @@ class CapacityMoE(MoELayer):
     """The Switch/GShard baseline: each expert has ``C = ceil(capacity_factor * N * K / E)``
     slots in a padded buffer ``[E, C, D]`` computed with batched matmuls; assignments beyond
     C are dropped by ``drop_policy`` and contribute zero (the token keeps its residual)."""
-
-    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int = 2, **kwargs) -> None:
-        super().__init__(d_model, d_ff, n_experts, top_k, **kwargs)
 
     def capacity(self, n_tokens: int) -> int:
         return expert_capacity(n_tokens, self.top_k, self.n_experts, self.capacity_factor)
@@ -397,10 +367,10 @@ class ExpertChoiceMoE(MoELayer):
     top_k / E)`` tokens of the batch with the highest router probability for it and weights its
     output by that probability; a token may get any number of experts, or none."""
 
-    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int = 2, **kwargs) -> None:
-        if kwargs.get("n_noop"):
-            fail("n_noop", kwargs["n_noop"], "expert-choice experts take no no-op experts: use 0")
-        super().__init__(d_model, d_ff, n_experts, top_k, **kwargs)
+    def __init__(self, d_model: int, d_ff: int, *args: int, **kwargs: object) -> None:
+        super().__init__(d_model, d_ff, *args, **kwargs)
+        if self.n_noop:
+            fail("n_noop", self.n_noop, "expert-choice experts take no no-op experts: use 0")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, capacity_factor={self.capacity_factor}"
@@ -431,3 +401,16 @@ MOE_CLASSES: dict[str, type[MoELayer]] = {
     "capacity": CapacityMoE,
     "expert_choice": ExpertChoiceMoE,
 }
+
+
+def moe_layer_kind(opts: MoEConfig, capacity: bool = False) -> str:
+    """The ``MOE_CLASSES`` key of the layer ``opts`` describes (``capacity``: the capacity MoE)."""
+    if capacity:
+        return "capacity"
+    return "expert_choice" if opts.router == "expert_choice" else "dropless"
+
+
+def build_moe_layer(d_model: int, opts: MoEConfig, d_ff: int, capacity: bool = False) -> MoELayer:
+    """The one way a block gets its MoE: the layer of ``moe_layer_kind(opts, capacity)`` with
+    per-expert width ``d_ff`` (``opts.width(...)`` resolves the default)."""
+    return MOE_CLASSES[moe_layer_kind(opts, capacity)](d_model, d_ff, opts=opts)

@@ -23,7 +23,7 @@ Experts (MoE) keep their own ``moe.mlp`` and have no biases.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Literal, get_args
 
 import torch
@@ -44,7 +44,10 @@ class Arch:
     """norm: "layernorm" | "rmsnorm" (``norm_eps``); mlp: the dense MLP, "gelu", "gelu_tanh"
     (GPT-2's tanh approximation) or "swiglu"; n_kv_heads: key/value heads (grouped-query
     attention; None = n_heads); bias / qkv_bias: see the module docstring; positions: "rope"
-    (at ``rope_base``) or "learned"; qk_norm: RMSNorm on the projected queries and keys."""
+    (at ``rope_base``) or "learned"; qk_norm: RMSNorm on the projected queries and keys.
+
+    The one validator of these options: ``ModelConfig`` builds its ``Arch`` (``field_prefix``
+    "model.", not a field, is how errors name them) instead of checking them again."""
 
     norm: str = "layernorm"
     norm_eps: float = 1e-5
@@ -55,25 +58,29 @@ class Arch:
     positions: str = "rope"
     rope_base: float = 10000.0
     qk_norm: bool = False
+    field_prefix: InitVar[str] = ""
 
-    def __post_init__(self) -> None:
-        check_choice("norm", self.norm, NORM_KINDS)
-        check_choice("mlp", self.mlp, DENSE_MLP_KINDS)
-        check_choice("positions", self.positions, POSITION_KINDS)
-        check_positive("norm_eps", self.norm_eps)
-        check_positive("rope_base", self.rope_base)
+    def __post_init__(self, field_prefix: str) -> None:
+        check_choice(field_prefix + "norm", self.norm, NORM_KINDS)
+        check_choice(field_prefix + "mlp", self.mlp, DENSE_MLP_KINDS)
+        check_choice(field_prefix + "positions", self.positions, POSITION_KINDS)
+        check_positive(field_prefix + "norm_eps", self.norm_eps)
+        check_positive(field_prefix + "rope_base", self.rope_base)
         if self.n_kv_heads is not None:
-            check_positive("n_kv_heads", self.n_kv_heads)
+            check_positive(field_prefix + "n_kv_heads", self.n_kv_heads)
 
     @property
     def rope(self) -> bool:
         return self.positions == "rope"
 
-    def kv_heads(self, n_heads: int) -> int:
-        """Key/value heads for ``n_heads`` query heads; ``ValueError`` unless they divide them."""
+    def kv_heads(self, n_heads: int, field_prefix: str = "") -> int:
+        """Key/value heads for ``n_heads`` query heads (the one place None means ``n_heads``);
+        ``ValueError`` unless they divide them."""
         n_kv = self.n_kv_heads or n_heads
         if n_heads % n_kv:
-            fail("n_kv_heads", n_kv, f"must divide n_heads={n_heads} (each key/value head serves a group)")
+            fail(
+                field_prefix + "n_kv_heads", n_kv, f"must divide n_heads={n_heads} (each key/value head serves a group)"
+            )
         return n_kv
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mode.checks import check_choice, check_hidden
-from mode.experts.moe import DroplessMoE, MoELayer, expert_width
+from mode.experts.moe import MoELayer, build_moe_layer, moe_options
 from mode.layers.arch import DEFAULT_ARCH, Arch, make_norm
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.kv_cache import KVCache
@@ -122,24 +122,29 @@ class IntegratedMoDEBlock(MoEBlock):
     """Integrated MoDE: attention on every token; the MLP router chooses among ``n_experts``
     real experts and ``n_noop`` no-op experts. A token assigned to a no-op expert gets zero
     from it and costs no GEMM (with top-1, its MLP residual is exactly unchanged). The
-    load-balance loss targets ``noop_share`` of assignments on the no-op experts. Pass a built
-    ``DroplessMoE`` (with ``n_noop``) as ``moe`` to use it instead.
+    load-balance loss targets ``noop_share`` of assignments on the no-op experts.
+
+    ``moe``: the built MoE layer, with ``n_noop`` (``mode.layers.kinds.build_moe``); without
+    it, the keyword ``options`` are ``MoEConfig`` fields (defaults here: 8 experts, 8 no-op
+    experts, top-1) of a layer built by ``build_moe_layer``, ``d_ff`` wide (default
+    ``4 * d_model // top_k``).
     """
+
+    NOOP_DEFAULTS = {"n_experts": 8, "n_noop": 8, "top_k": 1}
 
     def __init__(
         self,
         d_model: int,
         n_heads: int,
-        n_experts: int = 8,
-        n_noop: int = 8,
-        top_k: int = 1,
-        d_ff: int | None = None,
-        noop_share: float = 0.5,
-        arch: Arch = DEFAULT_ARCH,
+        *,
         moe: MoELayer | None = None,
-        **moe_kwargs,
+        d_ff: int | None = None,
+        arch: Arch = DEFAULT_ARCH,
+        **options: object,
     ) -> None:
         if moe is None:
-            d_ff = d_ff or expert_width(d_model, top_k)
-            moe = DroplessMoE(d_model, d_ff, n_experts, top_k, n_noop=n_noop, noop_share=noop_share, **moe_kwargs)
+            opts = moe_options(None, options, self.NOOP_DEFAULTS)
+            moe = build_moe_layer(d_model, opts, d_ff or opts.width(d_model))
+        elif options or d_ff is not None:
+            raise TypeError(f"a built moe takes no MoE options: {sorted(options) + ['d_ff'] * (d_ff is not None)}")
         super().__init__(d_model, n_heads, moe, arch)

@@ -17,7 +17,7 @@ evaluation and sampling (``model.eval()``), where ``threshold`` sets the compute
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,36 +26,40 @@ from mode.checks import check_int, check_positive, check_range, fail
 from mode.routed import Routed
 
 
-def check_early_exit_args(
-    threshold: float, loss_coef: float, min_layer: int, n_layers: int | None = None, prefix: str = ""
-) -> None:
-    """``ConfigError`` (a ``ValueError``) naming ``prefix + argument``, the value and the fix."""
-    check_range(prefix + "threshold", threshold, 0.0, 1.0)
-    check_positive(prefix + "loss_coef", loss_coef, allow_zero=True)
-    check_int(prefix + "min_layer", min_layer)
-    check_positive(prefix + "min_layer", min_layer)
-    if n_layers is not None and min_layer >= n_layers:
-        fail(prefix + "min_layer", min_layer, f"must be below n_layers={n_layers} (a token exits after that block)")
-
-
 @dataclass
 class EarlyExitConfig:
-    """Per-token early exit (``mode.layers.early_exit``): the depth-saving control for MoD.
+    """Per-token early exit (``mode.layers.early_exit``): the depth-saving control for MoD; the
+    one place these options are written and validated (``model.early_exit``; ``EarlyExit``
+    takes one as ``opts`` or builds one from its keywords).
 
     enabled: exit heads after blocks ``min_layer .. n_layers - 1`` (dense layouts only).
     threshold: a token exits once its exit head's largest next-token probability reaches it
         (evaluation and sampling; training computes every block and the exit losses).
     loss_coef: weight of the mean intermediate exit cross-entropy added to the LM loss.
-    min_layer: blocks every token runs before it may exit.
+    min_layer: blocks every token runs before it may exit (below the model's ``n_layers``:
+        ``check_depth``).
+
+    ``field_prefix`` (not a field) is how errors name an option: ``model.early_exit.`` for a
+    config, "" for ``EarlyExit``'s keyword arguments.
     """
 
     enabled: bool = False
     threshold: float = 0.9
     loss_coef: float = 1.0
     min_layer: int = 1
+    field_prefix: InitVar[str] = "model.early_exit."
 
-    def __post_init__(self) -> None:
-        check_early_exit_args(self.threshold, self.loss_coef, self.min_layer, prefix="model.early_exit.")
+    def __post_init__(self, field_prefix: str) -> None:
+        check_range(field_prefix + "threshold", self.threshold, 0.0, 1.0)
+        check_positive(field_prefix + "loss_coef", self.loss_coef, allow_zero=True)
+        check_int(field_prefix + "min_layer", self.min_layer)
+        check_positive(field_prefix + "min_layer", self.min_layer)
+
+    def check_depth(self, n_layers: int, field_prefix: str = "model.early_exit.") -> None:
+        """``ConfigError`` unless a token can exit before the last of ``n_layers`` blocks."""
+        if self.min_layer >= n_layers:
+            fix = f"must be below n_layers={n_layers} (a token exits after that block)"
+            fail(field_prefix + "min_layer", self.min_layer, fix)
 
 
 class EarlyExit(Routed):
@@ -66,10 +70,18 @@ class EarlyExit(Routed):
     training forward with targets: ``exit_ce`` (mean intermediate exit cross-entropy).
     """
 
-    def __init__(self, n_layers: int, threshold: float = 0.9, loss_coef: float = 1.0, min_layer: int = 1) -> None:
+    def __init__(self, n_layers: int, opts: EarlyExitConfig | None = None, **options: object) -> None:
         super().__init__()
-        check_early_exit_args(threshold, loss_coef, min_layer, n_layers)
-        self.n_layers, self.threshold, self.loss_coef, self.min_layer = n_layers, threshold, loss_coef, min_layer
+        if opts is not None and options:
+            raise TypeError(f"give the early-exit options as opts or as keywords, not both: {sorted(options)}")
+        if opts is None:  # errors name the keywords
+            opts = EarlyExitConfig(enabled=True, **options, field_prefix="")
+            opts.check_depth(n_layers, field_prefix="")
+        else:
+            opts.check_depth(n_layers)
+        self.opts = opts
+        self.n_layers, self.threshold = n_layers, opts.threshold
+        self.loss_coef, self.min_layer = opts.loss_coef, opts.min_layer
 
     def extra_repr(self) -> str:
         return f"threshold={self.threshold}, loss_coef={self.loss_coef}, min_layer={self.min_layer}"

@@ -17,13 +17,13 @@ The MoE inside the "moe", "moe_capacity" and both MoDE kinds comes from one fact
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from torch import nn
 
 from mode.experts.mlp import mlp_flops
-from mode.experts.moe import MOE_CLASSES, MoEConfig, MoELayer, moe_flops
+from mode.experts.moe import MoEConfig, MoELayer, build_moe_layer, moe_flops, moe_layer_kind
 from mode.layers.arch import Arch
 from mode.layers.attention import attention_flops
 from mode.layers.blocks import DenseBlock, IntegratedMoDEBlock, MoEBlock
@@ -48,15 +48,10 @@ class ModelShape(Protocol):
 
 
 def build_moe(cfg: ModelShape, capacity: bool = False, n_noop: int = 0) -> MoELayer:
-    """The MoE layer ``cfg.moe`` describes: ``CapacityMoE`` when ``capacity``, else by
-    ``moe.router`` (``DroplessMoE`` for token choice, ``ExpertChoiceMoE``)."""
-    return MOE_CLASSES[_moe_layer(cfg, capacity)].from_config(cfg.d_model, cfg.moe, cfg.expert_d_ff(), n_noop)
-
-
-def _moe_layer(cfg: ModelShape, capacity: bool = False) -> str:
-    if capacity:
-        return "capacity"
-    return "expert_choice" if cfg.moe.router == "expert_choice" else "dropless"
+    """The MoE layer ``cfg.moe`` describes, with ``n_noop`` no-op experts (only the integrated
+    block has them): ``CapacityMoE`` when ``capacity``, else by ``moe.router``
+    (``mode.experts.moe.build_moe_layer``)."""
+    return build_moe_layer(cfg.d_model, replace(cfg.moe, n_noop=n_noop), cfg.expert_d_ff(), capacity)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +100,7 @@ def _moe_block_flops(cfg: ModelShape, T: int, masked: bool, capacity: bool = Fal
     # Integrated MoDE: the balance loss targets ``noop_share`` of assignments on the no-op
     # experts, so that share is expected to cost nothing.
     real_share = 1.0 - (cfg.moe.noop_share if n_noop else 0.0)
-    layer = _moe_layer(cfg, capacity)
+    layer = moe_layer_kind(cfg.moe, capacity)
     moe = moe_flops(T, cfg.d_model, cfg.expert_d_ff(), cfg.moe, layer, real_share, n_noop)
     return _attention_flops(cfg, T, masked) + moe
 
@@ -121,11 +116,11 @@ def _dense(cfg: ModelShape) -> nn.Module:
 
 
 def _mod(cfg: ModelShape) -> nn.Module:
-    return MoDBlock.from_config(cfg.d_model, cfg.n_heads, cfg.mod, arch=cfg.arch(), inner=_dense(cfg))
+    return MoDBlock(cfg.d_model, cfg.n_heads, opts=cfg.mod, inner=_dense(cfg))
 
 
 def _mod_random(cfg: ModelShape) -> nn.Module:
-    return RandomMoDBlock(cfg.d_model, cfg.n_heads, cfg.mod.capacity, kernels=cfg.mod.kernels, inner=_dense(cfg))
+    return RandomMoDBlock(cfg.d_model, cfg.n_heads, opts=cfg.mod, inner=_dense(cfg))
 
 
 def _moe(capacity: bool) -> Callable[[ModelShape], nn.Module]:
@@ -133,7 +128,7 @@ def _moe(capacity: bool) -> Callable[[ModelShape], nn.Module]:
 
 
 def _staged(cfg: ModelShape) -> nn.Module:
-    return StagedMoDEBlock.from_config(cfg.d_model, cfg.n_heads, cfg.mod, moe=build_moe(cfg), arch=cfg.arch())
+    return StagedMoDEBlock(cfg.d_model, cfg.n_heads, opts=cfg.mod, moe=build_moe(cfg), arch=cfg.arch())
 
 
 def _integrated(cfg: ModelShape) -> nn.Module:

@@ -2,21 +2,20 @@
 and ``StagedMoDEBlock`` (MoD around a block whose MLP is an MoE).
 
 Legend: B batch, T tokens, D model dim, k tokens chosen per sequence by the router.
-``check_mod_args`` is the one place that validates a MoD block's options (the keyword
-constructors and ``RoutingConfig``, their config section ``model.mod``, both call it);
-``capacity_to_k`` is the one k rule.
+``RoutingConfig`` is the one place a MoD block's options are written and validated (a block
+takes one as ``opts`` or builds one from its keywords); ``capacity_to_k`` is the one k rule.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, get_args
+from dataclasses import InitVar, dataclass, fields, replace
+from typing import ClassVar, Literal, get_args
 
 import torch
 
 from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range
-from mode.experts.moe import CapacityMoE, DroplessMoE, MoELayer, expert_width
+from mode.experts.moe import MoELayer, build_moe_layer, moe_options
 from mode.kernels import triton_missing_reason, triton_unavailable_reason
 from mode.layers.arch import DEFAULT_ARCH, Arch
 from mode.layers.blocks import DenseBlock, MoEBlock, TransformerBlock, check_routing, default_positions
@@ -49,38 +48,25 @@ POSITION_BUCKETS = 10  # routed share per tenth of the positions (a health metri
 assert tuple(GATES) == get_args(Gate)
 
 
-def check_mod_args(
-    capacity: float,
-    gate: str = "sigmoid",
-    causal: str = "none",
-    causal_coef: float = 0.01,
-    predictor_hidden: int = 64,
-    kernels: str = "auto",
-    prefix: str = "",
-) -> None:
-    """``ConfigError`` (a ``ValueError``) naming ``prefix + argument``, the value and the fix."""
-    check_range(prefix + "capacity", capacity, 0.0, 1.0)
-    check_choice(prefix + "kernels", kernels, TOKEN_KERNELS)
-    check_choice(prefix + "gate", gate, GATES)
-    check_choice(prefix + "causal", causal, CAUSAL_METHODS)
-    check_positive(prefix + "causal_coef", causal_coef, allow_zero=True)
-    check_int(prefix + "predictor_hidden", predictor_hidden)
-    check_positive(prefix + "predictor_hidden", predictor_hidden)
-
-
 @dataclass
 class RoutingConfig:
-    """Mixture-of-Depths routing around a block (expert choice over the sequence).
+    """Mixture-of-Depths routing around a block (expert choice over the sequence): the one
+    place these options are written and validated (``model.mod`` in a config; the MoD blocks
+    take one as ``opts``, or build one from their keywords).
 
     capacity: share of each sequence's tokens that go through a routed block, k = floor(capacity*T).
     gate: g(r) in ``x + g(r) * f(x)``; "sigmoid" (default), "identity" (the paper), "none" (g = 1:
         no router gradient; for ablations and equivalence tests).
-    causal: how a token decides alone at sampling time: "router_bce" trains the router logit
-        toward top-k membership, "predictor" applies the top-k rule to the tokens so far (the
-        detached router score against the k-th largest score of the prefix), corrected by a
+    causal: how a token decides alone at sampling time: "none", "router_bce" trains the router
+        logit toward top-k membership, "predictor" applies the top-k rule to the tokens so far
+        (the detached router score against the k-th largest score of the prefix), corrected by a
         small MLP on ``x.detach()`` trained by BCE (``mode.layers.predictor``).
+    causal_coef: coefficient of that BCE loss. predictor_hidden: the predictor MLP's width.
     kernels: who moves the chosen tokens: "auto" (= torch), "torch", or "triton"
         (``mode.kernels.mod_tokens``; CUDA, or CPU under TRITON_INTERPRET=1).
+
+    ``field_prefix`` (not a field) is how errors name an option: ``model.mod.`` for a config,
+    "" for a block's keyword arguments.
     """
 
     capacity: float = 0.125
@@ -89,9 +75,31 @@ class RoutingConfig:
     causal_coef: float = 0.01
     predictor_hidden: int = 64
     kernels: str = "auto"
+    field_prefix: InitVar[str] = "model.mod."
 
-    def __post_init__(self) -> None:
-        check_mod_args(**vars(self), prefix="model.mod.")
+    def __post_init__(self, field_prefix: str) -> None:
+        check_range(field_prefix + "capacity", self.capacity, 0.0, 1.0)
+        check_choice(field_prefix + "kernels", self.kernels, TOKEN_KERNELS)
+        check_choice(field_prefix + "gate", self.gate, GATES)
+        check_choice(field_prefix + "causal", self.causal, CAUSAL_METHODS)
+        check_positive(field_prefix + "causal_coef", self.causal_coef, allow_zero=True)
+        check_int(field_prefix + "predictor_hidden", self.predictor_hidden)
+        check_positive(field_prefix + "predictor_hidden", self.predictor_hidden)
+
+
+ROUTING_FIELDS = frozenset(f.name for f in fields(RoutingConfig))
+
+
+def routing_options(opts: RoutingConfig | None, options: dict, capacity: float | None = None) -> RoutingConfig:
+    """A block's routing options: ``opts``, or a ``RoutingConfig`` of its keyword ``options``
+    and ``capacity`` (errors name the keyword); ``TypeError`` when both are given."""
+    if capacity is not None:
+        options = {**options, "capacity": capacity}
+    if opts is None:
+        return RoutingConfig(**options, field_prefix="")
+    if options:
+        raise TypeError(f"give the routing options as opts or as keywords, not both: {sorted(options)}")
+    return opts
 
 
 class MoDBlock(Routed):
@@ -99,60 +107,46 @@ class MoDBlock(Routed):
     they run through the inner block. Output ``x_i + g(r_i) * f(x_i)`` for chosen tokens and
     exactly ``x_i`` for the rest.
 
+    ``MoDBlock(d_model, n_heads, capacity, **options)`` or ``MoDBlock(d_model, n_heads,
+    opts=RoutingConfig(...))``: every routing option (``capacity``, ``gate``, ``causal``,
+    ``causal_coef``, ``predictor_hidden``, ``kernels``) is a ``RoutingConfig`` field, documented
+    there, and ``opts`` keeps them. "triton" kernels raise at construction where Triton is not
+    installed and at forward on a device it cannot run on.
+
     Args:
-        capacity: share of tokens routed through the block, in [0, 1].
-        gate: g in ``x + g(r) f(x)``: "sigmoid" (default), "identity" (the paper) or "none" (g = 1).
-        causal: per-token decision for sampling: "none", "router_bce" (router logit trained by
-            BCE toward top-k membership) or "predictor" (``RoutingPredictor``: the detached router
-            score minus the top-k threshold of the tokens so far, plus a small MLP on
-            ``x.detach()``).
-        causal_coef: coefficient of that BCE loss.
-        arch: the default inner block's norms, attention and MLP (``mode.layers.arch``).
+        mlp_ratio, arch: the default inner block's width ratio and its norms, attention and MLP
+            (``mode.layers.arch``).
         inner: the block to route around (default: a ``DenseBlock``); must have ``delta``.
-        kernels: who gathers the chosen tokens and adds ``g * f`` back: "auto", "torch" or
-            "triton" (``TokenKernels``); "triton" raises at construction where Triton is not
-            installed and at forward on a device it cannot run on.
     """
+
+    FIXED_OPTIONS: ClassVar[dict[str, str]] = {}  # routing options a subclass decides for itself
 
     def __init__(
         self,
         d_model: int,
         n_heads: int,
-        capacity: float = 0.125,
+        capacity: float | None = None,
         mlp_ratio: int = 4,
-        gate: str = "sigmoid",
+        *,
+        opts: RoutingConfig | None = None,
         arch: Arch = DEFAULT_ARCH,
         inner: TransformerBlock | None = None,
-        causal: str = "none",
-        causal_coef: float = 0.01,
-        predictor_hidden: int = 64,
-        kernels: str = "auto",
+        **options: object,
     ) -> None:
         super().__init__()
-        check_mod_args(capacity, gate, causal, causal_coef, predictor_hidden, kernels)
-        if kernels == "triton" and (missing := triton_missing_reason()) is not None:
+        opts = routing_options(opts, options, capacity)
+        if self.FIXED_OPTIONS:
+            opts = replace(opts, **self.FIXED_OPTIONS, field_prefix="")
+        self.opts = opts
+        if opts.kernels == "triton" and (missing := triton_missing_reason()) is not None:
             raise RuntimeError(f"MoD kernels='triton' (model.mod.kernels) cannot be used: {missing}")
-        self.capacity, self.gate, self.causal, self.causal_coef = capacity, gate, causal, causal_coef
-        self.kernels = kernels
+        self.capacity, self.gate, self.causal = opts.capacity, opts.gate, opts.causal
+        self.causal_coef, self.kernels = opts.causal_coef, opts.kernels
         self.router = Router(d_model, 1, bias=True)  # the bias offsets the gate, not the choice
-        self.predictor = RoutingPredictor(d_model, capacity, predictor_hidden) if causal == "predictor" else None
-        self.block = inner if inner is not None else DenseBlock(d_model, n_heads, mlp_ratio, arch)
-
-    @classmethod
-    def from_config(cls, d_model: int, n_heads: int, cfg: RoutingConfig, **kwargs) -> MoDBlock:
-        """The block ``cfg`` (``model.mod``) describes; ``kwargs`` are the other constructor
-        arguments (``mlp_ratio``, ``arch``, ``inner``; ``moe`` for ``StagedMoDEBlock``)."""
-        return cls(
-            d_model,
-            n_heads,
-            capacity=cfg.capacity,
-            gate=cfg.gate,
-            causal=cfg.causal,
-            causal_coef=cfg.causal_coef,
-            predictor_hidden=cfg.predictor_hidden,
-            kernels=cfg.kernels,
-            **kwargs,
+        self.predictor = (
+            RoutingPredictor(d_model, opts.capacity, opts.predictor_hidden) if opts.causal == "predictor" else None
         )
+        self.block = inner if inner is not None else DenseBlock(d_model, n_heads, mlp_ratio, arch)
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return self.block.new_cache(batch, dtype, device)
@@ -330,19 +324,12 @@ class RandomMoDBlock(MoDBlock):
     ``torch.rand``, no gradient) and take the update ungated (g = 1). Its router weights are
     unused and frozen."""
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        capacity: float = 0.125,
-        mlp_ratio: int = 4,
-        arch: Arch = DEFAULT_ARCH,
-        kernels: str = "auto",
-        inner: TransformerBlock | None = None,
-    ) -> None:
-        super().__init__(
-            d_model, n_heads, capacity, mlp_ratio, gate="none", arch=arch, inner=inner, causal="none", kernels=kernels
-        )
+    # random scores decide, ungated, with no per-token rule: the gate and causal options of
+    # ``opts`` (a model's shared ``model.mod``) do not apply to this block
+    FIXED_OPTIONS: ClassVar[dict[str, str]] = {"gate": "none", "causal": "none"}
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
         self.router.requires_grad_(False)
 
     # NOTE: traced into compiled graphs (fullgraph); ``mode.compile`` compiles with inductor's
@@ -368,40 +355,30 @@ class StagedMoDEBlock(MoDBlock):
     whole block; only they go through attention and a (dropless by default) MoE MLP. Output
     ``x + g(r) * f(x)`` on chosen tokens; skipping tokens never reach the experts.
 
-    ``moe_kwargs`` go to the MoE layer (``mlp``, ``backend``, ``lb_coef``, ...); ``d_ff``
-    defaults to ``4 * d_model // top_k``. Pass a built MoE layer as ``moe`` to use it instead.
+    ``moe``: the built MoE layer (``mode.layers.kinds.build_moe``); without it, the keyword
+    ``options`` that are ``RoutingConfig`` fields route and the rest are ``MoEConfig`` fields
+    (``n_experts``, ``top_k``, ``mlp``, ``lb_coef``, ...) of a layer built by the same
+    ``build_moe_layer``, ``d_ff`` wide (default ``4 * d_model // top_k``).
     """
 
     def __init__(
         self,
         d_model: int,
         n_heads: int,
-        capacity: float = 0.125,
-        n_experts: int = 8,
-        top_k: int = 2,
-        d_ff: int | None = None,
-        gate: str = "sigmoid",
-        dropless: bool = True,
-        arch: Arch = DEFAULT_ARCH,
-        causal: str = "none",
-        causal_coef: float = 0.01,
-        predictor_hidden: int = 64,
-        kernels: str = "auto",
+        capacity: float | None = None,
+        *,
+        opts: RoutingConfig | None = None,
         moe: MoELayer | None = None,
-        **moe_kwargs,
+        d_ff: int | None = None,
+        arch: Arch = DEFAULT_ARCH,
+        **options: object,
     ) -> None:
+        routing = {k: v for k, v in options.items() if k in ROUTING_FIELDS}
+        experts = {k: v for k, v in options.items() if k not in ROUTING_FIELDS}
         if moe is None:
-            cls = DroplessMoE if dropless else CapacityMoE
-            moe = cls(d_model, d_ff or expert_width(d_model, top_k), n_experts, top_k, **moe_kwargs)
-        super().__init__(
-            d_model,
-            n_heads,
-            capacity,
-            gate=gate,
-            arch=arch,
-            inner=MoEBlock(d_model, n_heads, moe, arch),
-            causal=causal,
-            causal_coef=causal_coef,
-            predictor_hidden=predictor_hidden,
-            kernels=kernels,
-        )
+            moe_opts = moe_options(None, experts)
+            moe = build_moe_layer(d_model, moe_opts, d_ff or moe_opts.width(d_model))
+        elif experts or d_ff is not None:
+            raise TypeError(f"a built moe takes no MoE options: {sorted(experts) + ['d_ff'] * (d_ff is not None)}")
+        inner = MoEBlock(d_model, n_heads, moe, arch)
+        super().__init__(d_model, n_heads, capacity, opts=opts, arch=arch, inner=inner, **routing)
