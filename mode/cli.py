@@ -43,7 +43,7 @@ def train() -> None:
 
 
 def export() -> None:
-    from mode.hf import main  # noqa: PLC0415
+    from mode.hf.cli import main  # noqa: PLC0415
 
     run("mode-export", main)
 

@@ -26,7 +26,7 @@ m mode/parallel/fsdp.py 's/            g.div_(ctx.ep_size)/            g.div_(1)
 m mode/parallel/parallelize.py 's/set_balance_group(model, dist.group.WORLD)/set_balance_group(model, None)/' "tests/test_step_across_ranks.py::test_global_batch_balance_loss_is_the_loss_of_the_concatenated_tokens"
 m mode/layers/predictor.py 's/        return \[self.pending\]/        return []/' "tests/test_expert_parallel.py::test_routing_state_stays_identical_across_data_parallel_ranks"
 # Hugging Face interop: the query/key/value order of a Llama attention.
-m mode/hf.py 's/for n in "qkv"\])/for n in "kqv"])/' "tests/test_hf.py::test_from_hf_computes_the_hf_logits"
+m mode/hf/llama.py 's/for n in "qkv"\])/for n in "kqv"])/' "tests/test_hf.py::test_from_hf_computes_the_hf_logits"
 # Reliability III: planted bugs the focused files and the fast tier let through (2026-12-05).
 m mode/data.py 's/return len(tokenizer.decode_text(ids.tolist()).encode("utf-8")) \/ max(1, len(ids))/return len(tokenizer.decode_text(ids.tolist())) \/ max(1, len(ids))/' "tests/test_tokenized_data.py::test_bytes_per_token_counts_utf8_bytes_of_non_ascii_text"
 m mode/step.py 's/(total \/ accum_steps if accum_steps > 1 else total).backward()/(total \/ accum_steps if accum_steps > 2 else total).backward()/' "tests/test_step_paths.py::test_accumulation_applies_the_gradient_of_the_whole_batch"
@@ -38,13 +38,13 @@ m mode/checkpoint.py 's/storage_reader=SafeFileSystemReader(path), planner=SafeL
 m mode/checkpoint.py 's/^        _keep_in_history(path, warn)/        os.link(path, _history_name(path, warn))/' "tests/test_save_again.py::test_a_taken_history_name_is_replaced"
 m mode/run_dir.py 's/    if found and not resume:/    if False:/' "tests/test_run_dir.py::test_a_second_run_into_a_run_directory_is_refused_and_loses_nothing"
 # Reliability III: hostile files and named errors (2026-12-06).
-m mode/hf.py 's/^    if bad:$/    if False:/' "tests/test_validation.py -k hf-"
+m mode/hf/checkpoint.py 's/^    if bad:$/    if False:/' "tests/test_validation.py -k hf-"
 m mode/data.py 's/            if top >= meta\["vocab_size"\]:/            if False:/' "tests/test_validation.py -k meta-id-past-vocab"
-m mode/hf.py 's/^        _check_exactly(MoDETransformer(cfg), ours, f"{path}")/        pass/' "tests/test_hostile_files.py"
+m mode/hf/checkpoint.py 's/^        _check_exactly(MoDETransformer(cfg), ours, f"{path}")/        pass/' "tests/test_hostile_files.py"
 m mode/checkpoint.py 's/if isinstance(step, bool) or not isinstance(step, int) or step < 0:/if False:/' "tests/test_validation.py -k ckpt-no-step"
 m mode/train.py 's/        if rates\["mfu"\] <= 1:/        if True:/' "tests/test_train_step.py::test_a_peak_undercut_by_other_work_is_measured_again"
 # Interop II: one routing default.
-m mode/hf.py 's/    routing = routing or model.default_routing()/    routing = routing or "topk"/' "tests/test_export_defaults.py"
+m mode/hf/checkpoint.py 's/    routing = routing or model.default_routing()/    routing = routing or "topk"/' "tests/test_export_defaults.py"
 # The cadence: a step that spends the budget unrecorded is followed by one planned as the last.
 m mode/cadence.py 's/        last = done >= tc.steps or done == self.stop_at or overdue/        last = done >= tc.steps or done == self.stop_at/' "tests/test_train.py -k last_record"
 # Interop II: a published MoE model's blocks wrapped, not refused; resume from the checkpoint's config.
