@@ -11,7 +11,7 @@ m() { # file sed-expr test-selector
   git checkout -q -- "$file"
 }
 m mode/routed.py 's/dtype = torch.promote_types(x.dtype, torch.float32)/dtype = x.dtype/' "tests/test_numerics.py::test_router_projections_are_computed_in_float32_from_bf16_weights"
-m mode/layers/mod.py 's/(x_sel + g \* delta)\[valid\]/(g * (x_sel + delta))[valid]/' "tests/test_contracts.py::test_causal_forward_keeps_the_residual_form"
+m mode/layers/mod.py 's/torch.where(valid, x_sel + g \* delta, x_picked)/torch.where(valid, g * (x_sel + delta), x_picked)/' "tests/test_contracts.py::test_causal_forward_keeps_the_residual_form"
 m mode/experts/moe.py 's/if self.lb_scope == "sequence" and len(seq_shape) == 3:/if False:/' "tests/test_contracts.py::test_sequence_scope_balance_loss_is_the_mean_over_sequences"
 m mode/experts/moe.py 's/if self.training and self.jitter:/if self.jitter:/' "tests/test_contracts.py::test_router_jitter_is_training_only"
 m mode/experts/moe.py 's/^        self._load_sum.zero_()/        pass/' "tests/test_contracts.py::test_aux_loss_free_bias_uses_each_steps_own_load"
