@@ -7,6 +7,7 @@
     python -m benchmarks.compare --seeds 3        # each preset with 3 seeds, claims with 95% intervals
     python -m benchmarks.compare --data my.txt    # the ranking on your own text (bytes)
     python -m benchmarks.compare --equal steps --steps 2000 --presets mod mod_random --seeds 3
+    python -m benchmarks.compare --equal flops --steps 2000 --presets mod mod_random --seeds 3
 
 Per variant: parameters, active parameters, training FLOPs per step, median step time in its
 own run, steps done, final validation loss (bits per byte) in top-k and in causal routing mode.
@@ -171,7 +172,28 @@ def claims(rows: dict[str, dict], at: str = "equal wall-clock") -> dict[str, dic
     return out
 
 
+AT = {"time": "equal wall-clock", "steps": "equal steps", "flops": "equal FLOPs"}
+
+
+def equal_budget_steps(presets: list[str], extra: list[str], equal: str, steps: int) -> dict[str, int]:
+    """Steps each preset trains: 0 (a wall-clock budget) under ``equal="time"``, ``steps`` each
+    under "steps", and under "flops" ``steps`` for the preset with the most training FLOPs per
+    step and for each other the most steps within the same FLOPs (rounded down)."""
+    if equal == "time":
+        return dict.fromkeys(presets, 0)
+    if equal == "steps":
+        return dict.fromkeys(presets, steps)
+    per_step = {}
+    for preset in presets:
+        cfg = load_config(preset, extra)
+        per_step[preset] = train_flops_per_step(cfg.model, cfg.train.batch_size)
+    budget = steps * max(per_step.values())
+    return {preset: int(budget // f) for preset, f in per_step.items()}
+
+
 def _budget(payload: dict) -> str:
+    if payload.get("equal") == "flops":
+        return f"equal training FLOPs ({payload['steps']} steps of the costliest preset; {payload['steps_per_preset']})"
     if payload.get("equal") == "steps":
         return f"{payload['steps']} steps (equal steps)"
     return f"{payload['seconds']:.0f} s (equal wall-clock)"
@@ -238,11 +260,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="60 seconds per preset")
     p.add_argument(
         "--equal",
-        choices=["time", "steps"],
+        choices=["time", "steps", "flops"],
         default="time",
-        help="compare at equal wall-clock (--seconds, default) or equal steps (--steps: same tokens)",
+        help="compare at equal wall-clock (--seconds, default), equal steps (--steps: same tokens) or equal "
+        "training FLOPs (the preset with the most FLOPs per step takes --steps, each other as many as its "
+        "FLOPs allow)",
     )
-    p.add_argument("--steps", type=int, default=2000, help="steps per run under --equal steps")
+    p.add_argument("--steps", type=int, default=2000, help="steps per run under --equal steps (or flops)")
     p.add_argument("--label", default=None)
     p.add_argument("--runs-dir", default="runs/compare", help="checkpoints and metrics: <runs-dir>/<preset>/")
     p.add_argument("--timing-rounds", type=int, default=9, help="interleaved step-time rounds (0: skip)")
@@ -272,13 +296,15 @@ def main() -> None:
     if args.quick:
         extra.append("train.eval_every=20")
     rows, models = {}, {}
+    steps_of = equal_budget_steps(args.presets, extra, args.equal, args.steps)
     seeds = [args.seed_base + i for i in range(args.seeds)]
     per_seed: dict[str, list[dict]] = {p: [] for p in args.presets}
     for seed in seeds:  # round-robin: every preset once per seed
         for preset in args.presets:
             torch.manual_seed(0)
-            steps = args.steps if args.equal == "steps" else 0
-            cfg = preset_config(preset, seconds, extra, args.runs_dir, seed if args.seeds > 1 else None, steps)
+            cfg = preset_config(
+                preset, seconds, extra, args.runs_dir, seed if args.seeds > 1 else None, steps_of[preset]
+            )
             if args.timing_only:
                 model = MoDETransformer(cfg.model)
                 per_seed[preset].append(describe(preset, cfg, model) | {"history": [], "seed": seed})
@@ -297,7 +323,9 @@ def main() -> None:
     if args.timing_only:
         print(f"\nfresh models, threads={torch.get_num_threads()}")
     else:
-        budget = f"{args.steps} steps" if args.equal == "steps" else f"{seconds:.0f} s"
+        budget = {"time": f"{seconds:.0f} s", "steps": f"{args.steps} steps"}.get(
+            args.equal, f"equal FLOPs, {steps_of}"
+        )
         print(f"\ntraining budget {budget} per variant, threads={torch.get_num_threads()}")
     print_table(
         list(rows.values()),
@@ -315,7 +343,7 @@ def main() -> None:
             ("val_bpb_causal", "causal bpb", ".3f"),
         ],
     )
-    checked = claims(rows, "equal steps" if args.equal == "steps" else "equal wall-clock")
+    checked = claims(rows, AT[args.equal])
     for name, c in checked.items():
         interval = f" [{c['lo']:+.3f}, {c['hi']:+.3f}]" if c.get("lo") is not None else ""
         print(f"claim: {name}: {c['value']:+.3f}{interval} -> {c['verdict']}")
@@ -325,9 +353,10 @@ def main() -> None:
         load_splits(corpus, 8, data.val_fraction, data.cache_dir) if not args.timing_only else (None, None, None)
     )
     payload = {
-        "seconds": 0 if args.timing_only or args.equal == "steps" else seconds,
+        "seconds": 0 if args.timing_only or args.equal != "time" else seconds,
         "equal": args.equal,
-        "steps": args.steps if args.equal == "steps" else None,
+        "steps": args.steps if args.equal != "time" else None,
+        "steps_per_preset": steps_of if args.equal != "time" else None,
         "overrides": args.overrides,
         "seeds": seeds,
         "corpus": corpus,

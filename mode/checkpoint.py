@@ -658,6 +658,14 @@ def _history(path: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def kept_checkpoints(path: str | Path) -> list[tuple[int, Path]]:
+    """(step, file) of a file checkpoint's history, oldest first: the ``<name>.step<N>`` files
+    kept beside it (``train.keep_checkpoints`` > 1), then ``path`` itself."""
+    path = Path(path)
+    kept = [(int(p.name.rsplit(".step", 1)[1]), p) for p in _history(path)]
+    return [*kept, (int(_progress_state(path)["step"]), path)]
+
+
 def _prune_history(path: Path, keep: int) -> None:
     history = _history(path)
     for old in history[: max(0, len(history) - (keep - 1))]:

@@ -143,6 +143,59 @@ def test_compare_at_equal_steps_trains_each_run_the_same_steps(tmp_path):
     assert payload["claims"]["learned MoD routing val loss < random routing (mod_random)"]["n"] == 2
 
 
+
+def test_compare_at_equal_flops_gives_the_cheaper_preset_the_steps_its_flops_allow(tmp_path):
+    """--equal flops: the costliest preset trains --steps, each other floor(its FLOPs budget /
+    its own training FLOPs per step), computed from the model's FLOP count (``mode.flops``)."""
+    from mode.config import load_config
+    from mode.flops import train_flops_per_step
+
+    overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    args = [*overrides, "train.eval_every=4", "train.eval_batches=1", "--equal", "flops", "--steps", "6"]
+    args += ["--timing-rounds", "0", "--runs-dir", str(tmp_path / "runs"), "--data", str(corpus)]
+    payload = run_script("compare.py", [*args, "--presets", "dense", "mod"], tmp_path)["compare.json"]
+    flops = {p: train_flops_per_step(load_config(p, overrides).model, 2) for p in ("dense", "mod")}
+    assert flops["mod"] < flops["dense"]  # MoD skips most tokens in every other block
+    expected = {"dense": 6, "mod": int(6 * flops["dense"] // flops["mod"])}
+    assert payload["equal"] == "flops" and payload["steps_per_preset"] == expected
+    assert {name: row["steps"] for name, row in payload["rows"].items()} == expected
+    assert "best MoD variant (mod) val loss < dense at equal FLOPs" in payload["claims"]
+
+
+def test_routing_diagnostics_on_tiny_trained_runs(tmp_path):
+    """The diagnostics of real (tiny) checkpoints: shares are routed fractions of their groups,
+    the groups' shares average back to the layer's (k / T), the final checkpoint agrees with
+    itself, and random routing's layers take the same tokens in evaluation (seeded per forward)."""
+    from mode.config import load_config
+    from mode.train import train
+    from tests.tiny import TINY
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Ünïcode and ASCII: the quick brown fox jumps over the lazy dog. " * 300)
+    ckpt = {}
+    for preset in ("mod", "mod_random", "dense"):
+        out = tmp_path / preset
+        extra = ["model.n_layers=4", "train.ckpt_every=5", "train.keep_checkpoints=3"] if preset == "mod" else []
+        train(load_config(preset, [*TINY, f"data.source={corpus}", f"train.out_dir={out}", *extra]))
+        ckpt[preset] = out / "ckpt.pt"
+    mod = ["--learned", str(ckpt["mod"]), "--random", str(ckpt["mod_random"]), "--dense", str(ckpt["dense"])]
+    args = [*mod, "--history", str(ckpt["mod"]), "--batches", "2", "--batch-size", "2"]
+    payload = run_script("routing_diagnostics.py", args, tmp_path)["routing-diagnostics.json"]
+    k_share = int(payload["capacity"] * 32) / 32
+    for kind in ("learned", "random"):
+        for layer in payload[kind]["layers"].values():
+            assert layer["routed_share"] == pytest.approx(k_share)
+            by_position = layer["by_position"]  # equal-size bins: their mean is the layer's share
+            assert sum(by_position) / len(by_position) == pytest.approx(k_share)
+            assert all(v is None or 0 <= v <= 1 for v in layer["by_frequency"] + layer["by_dense_loss"])
+    assert len(payload["learned"]["layers"]) == 2 and all(0 <= a <= 1 for a in payload["learned"]["layer_agreement"])
+    assert payload["random"]["layer_agreement"] == []  # one routed layer in the tiny 2-layer model
+    rows = payload["stability"]["overlap_with_final"]
+    assert [r["step"] for r in rows] == [5, 10] and all(v == 1.0 for k, v in rows[-1].items() if k != "step")
+    assert (tmp_path / "routing-diagnostics.png").is_file()
+
 def test_bench_sampling_tiny_compares_target_values(tmp_path):
     overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
     args = ["--seconds", "2", "--new-tokens", "8", "--repeats", "1", "--eval-batches", "1"]
