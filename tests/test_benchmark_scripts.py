@@ -143,7 +143,6 @@ def test_compare_at_equal_steps_trains_each_run_the_same_steps(tmp_path):
     assert payload["claims"]["learned MoD routing val loss < random routing (mod_random)"]["n"] == 2
 
 
-
 def test_compare_at_equal_flops_gives_the_cheaper_preset_the_steps_its_flops_allow(tmp_path):
     """--equal flops: the costliest preset trains --steps, each other floor(its FLOPs budget /
     its own training FLOPs per step), computed from the model's FLOP count (``mode.flops``)."""
@@ -195,6 +194,7 @@ def test_routing_diagnostics_on_tiny_trained_runs(tmp_path):
     rows = payload["stability"]["overlap_with_final"]
     assert [r["step"] for r in rows] == [5, 10] and all(v == 1.0 for k, v in rows[-1].items() if k != "step")
     assert (tmp_path / "routing-diagnostics.png").is_file()
+
 
 def test_bench_sampling_tiny_compares_target_values(tmp_path):
     overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
