@@ -357,7 +357,9 @@ def load_checkpoint(
     data_rng: torch.Generator | None = None,
     trust_file: bool = False,
 ) -> int:
-    """``load`` in this process; returns the step to continue from."""
+    """``load`` in this process; returns the step to continue from. Public API on purpose
+    (``docs/parallelism.md``): a user's own loop restores a ``mode-train`` checkpoint with it;
+    ``mode.train`` uses ``load`` / ``load_newest_good``."""
     return load(path, model, optimizer, data_rng, trust_file=trust_file).step
 
 

@@ -333,6 +333,13 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | None = 
     if preset is not None:
         layers.extend(_preset_layers(preset))
     if overrides:
+        for item in overrides:
+            if "=" not in item:
+                hint = f"; {item!r} is a preset: give it as the preset (mode-train --config {item})"
+                raise ConfigError(
+                    f"override {item!r} has no '=': write field=value (e.g. model.n_layers=8)"
+                    + (hint if item in preset_names() else "")
+                )
         layers.append(OmegaConf.from_dotlist(list(overrides)))
     return _build(layers)
 

@@ -22,7 +22,7 @@ from mode.layers.kinds import build_block
 from mode.layers.kv_cache import KVCache
 from mode.routed import check_causal, non_causal_layers
 
-__all__ = ["MoDETransformer", "build_block", "sample_next"]
+__all__ = ["MoDETransformer", "sample_next"]
 
 
 IGNORE_INDEX = -100  # targets the loss leaves out (F.cross_entropy's default)

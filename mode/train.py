@@ -39,8 +39,8 @@ from mode.evaluation import evaluate_batches, rank_rows, sampled_windows
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import any_kind
 from mode.model import MoDETransformer
+from mode.parallel.apply import init_parallel, parallelize_model
 from mode.parallel.mesh import ParallelContext, destroy, mean_over_ranks
-from mode.parallel.parallelize import init_parallel, parallelize_model
 from mode.precision import PRECISION_DTYPES, resolve
 from mode.routed import health_warnings, routing_metrics
 from mode.step import LMObjective, NonFiniteTrainingError, StepResult, build_optimizer, lr_at, train_step

@@ -23,7 +23,7 @@ m mode/layers/predictor.py 's/        if recomputing():/        if False:/' "tes
 m mode/experts/moe.py 's/if self.training and self.bias_rate and not recomputing():/if self.training and self.bias_rate:/' "tests/test_train_step.py::test_recomputed_forwards_record_nothing"
 m mode/parallel/expert_parallel.py 's/        if recomputing():/        if False:/' "tests/test_step_across_ranks.py::test_recomputed_forwards_record_nothing_under_expert_parallelism"
 m mode/parallel/fsdp.py 's/            g.div_(ctx.ep_size)/            g.div_(1)/' "tests/test_step_across_ranks.py::test_one_step_under_dp_and_ep_applies_the_one_process_gradient"
-m mode/parallel/parallelize.py 's/set_balance_group(model, dist.group.WORLD)/set_balance_group(model, None)/' "tests/test_step_across_ranks.py::test_global_batch_balance_loss_is_the_loss_of_the_concatenated_tokens"
+m mode/parallel/apply.py 's/set_balance_group(model, dist.group.WORLD)/set_balance_group(model, None)/' "tests/test_step_across_ranks.py::test_global_batch_balance_loss_is_the_loss_of_the_concatenated_tokens"
 m mode/layers/predictor.py 's/        return \[self.pending\]/        return []/' "tests/test_expert_parallel.py::test_routing_state_stays_identical_across_data_parallel_ranks"
 # Hugging Face interop: the query/key/value order of a Llama attention.
 m mode/hf/llama.py 's/for n in "qkv"\])/for n in "kqv"])/' "tests/test_hf.py::test_from_hf_computes_the_hf_logits"

@@ -48,3 +48,11 @@ def test_ep_size_must_divide_the_experts_only_where_there_are_experts():
         load_config("moe", ["parallel.ep_size=3"])
     # dense layouts have no experts to split: ep ranks are data parallel, n_experts unused
     assert load_config("dense", ["parallel.ep_size=3"]).parallel.ep_size == 3
+
+
+def test_an_override_without_a_value_is_refused_and_a_preset_name_is_pointed_to_config():
+    with pytest.raises(ValueError, match=r"override 'mod' has no '='.*is a preset.*--config mod"):
+        load_config("dense", ["mod"])
+    with pytest.raises(ValueError, match=r"override 'model.n_layers' has no '='") as err:
+        load_config("dense", ["model.n_layers"])
+    assert "preset" not in str(err.value)

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from mode import checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
+from mode.parallel.apply import parallelize_model
 from mode.parallel.mesh import init_mesh
-from mode.parallel.parallelize import parallelize_model
 from mode.step import build_optimizer
 from mode.train import train
 from tests.dist_utils import run_workers

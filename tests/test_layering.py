@@ -64,7 +64,7 @@ def test_nothing_below_config_imports_it():
 @pytest.mark.parametrize(
     "where,forbidden",
     [
-        # the primitives; parallel/parallelize.py composes layers, compile and FSDP on purpose
+        # the primitives; parallel/apply.py composes layers, compile and FSDP on purpose
         (
             ("parallel/mesh.py", "parallel/all_to_all.py", "parallel/expert_parallel.py", "parallel/fsdp.py"),
             "mode.layers",
@@ -82,3 +82,14 @@ def test_layering(where, forbidden):
     }
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, offenders
+
+
+def test_the_parallel_package_names_one_thing_each():
+    """``mode.parallel.parallelize`` is the expert-parallel function, also once the module that
+    composes the parallel model (``mode.parallel.apply``) is imported: no module shadows it."""
+    import mode.parallel
+    import mode.parallel.apply  # noqa: F401
+    from mode.parallel import parallelize
+    from mode.parallel.expert_parallel import parallelize as expert_parallelize
+
+    assert callable(parallelize) and parallelize is expert_parallelize is mode.parallel.parallelize

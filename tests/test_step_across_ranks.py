@@ -14,8 +14,8 @@ from mode import checkpoint
 from mode.config import load_config
 from mode.experts.moe import MoELayer
 from mode.model import MoDETransformer
+from mode.parallel.apply import parallelize_model
 from mode.parallel.mesh import init_mesh
-from mode.parallel.parallelize import parallelize_model
 from mode.step import train_step
 from tests.dist_utils import run_workers
 from tests.test_train_step import forward_backward_records

@@ -39,7 +39,8 @@ Gate = Literal["sigmoid", "identity", "none"]
 CausalMethod = Literal["none", "router_bce", "predictor"]
 # Who moves the chosen tokens out and back: "torch" (index_select / index_add_ autograd
 # functions, any device), "triton" (``mode.kernels.mod_tokens``: CUDA, or CPU under
-# TRITON_INTERPRET=1), "auto" = torch until a GPU run measures triton faster (RESULTS.md).
+# TRITON_INTERPRET=1), "auto" = torch: on an H200 (2026-12-04, RESULTS.md) the Triton gated
+# scatter measured 1.43x torch's but its gather 0.77x, so the pair stays opt-in.
 TokenKernels = Literal["auto", "torch", "triton"]
 TOKEN_KERNELS: tuple[str, ...] = get_args(TokenKernels)
 GATES = {"sigmoid": torch.sigmoid, "identity": lambda r: r, "none": torch.ones_like}
@@ -165,8 +166,8 @@ class MoDBlock(Routed):
 
     def uses_triton(self, device: torch.device) -> bool:
         """Whether the token gather/scatter runs the Triton kernels on ``device`` ("auto" does
-        not: no GPU measurement has shown them faster yet); RuntimeError saying why when
-        "triton" was asked for and cannot run there."""
+        not: on an H200 the Triton gather was slower than torch's, RESULTS.md); RuntimeError
+        saying why when "triton" was asked for and cannot run there."""
         if self.kernels != "triton":
             return False
         reason = triton_unavailable_reason(device)

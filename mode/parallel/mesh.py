@@ -38,10 +38,6 @@ class ParallelContext:
         return self.mesh.get_group("ep")
 
     @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("dp")
-
-    @property
     def device(self) -> torch.device:
         if self.mesh.device_type == "cuda":
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -72,7 +72,9 @@ def capacity_keep(
     experts: torch.Tensor, weights: torch.Tensor, n_experts: int, capacity: int, policy: DropPolicy = "position"
 ) -> torch.Tensor:
     """Which assignments ([N, K]) fit in ``capacity`` slots per expert -> keep: [N, K] bool
-    (the rank inside its expert, ``capacity_rank``, below ``capacity``; never a no-op expert)."""
+    (the rank inside its expert, ``capacity_rank``, below ``capacity``; never a no-op expert).
+    Public on purpose: the plain statement of the capacity rule that ``CapacityMoE``'s fused
+    slots implement, for users and the tests that check them against it."""
     return (capacity_rank(experts, weights, policy) < capacity) & (experts < n_experts)
 
 
