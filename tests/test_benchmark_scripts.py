@@ -196,6 +196,23 @@ def test_routing_diagnostics_on_tiny_trained_runs(tmp_path):
     assert (tmp_path / "routing-diagnostics.png").is_file()
 
 
+
+def test_compare_evidence_writes_every_loss_claim_of_the_runs_as_one_table(tmp_path):
+    runs = [ROOT / "benchmarks" / "results" / f"compare-equal-steps-{n}.json" for n in ("1500-c0125", "1500-c05")]
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("a\n<!-- evidence:begin -->\nold\n<!-- evidence:end -->\nb\n")
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--evidence", *map(str, runs), "--write-readme", str(doc)],
+        cwd=ROOT, check=True, capture_output=True,
+    )  # fmt: skip
+    text = doc.read_text()
+    assert "old" not in text and text.startswith("a\n") and text.rstrip().endswith("b")
+    rows = [line for line in text.splitlines() if line.startswith("| learned MoD routing")]
+    assert len(rows) == 2 and "model.mod.capacity=0.5" in rows[1]
+    for row, run in zip(rows, runs, strict=True):
+        claim = json.loads(run.read_text())["claims"]["learned MoD routing val loss < random routing (mod_random)"]
+        assert f"{claim['value']:+.3f}" in row and f"**{claim['verdict']}**" in row
+
 def test_bench_sampling_tiny_compares_target_values(tmp_path):
     overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
     args = ["--seconds", "2", "--new-tokens", "8", "--repeats", "1", "--eval-batches", "1"]
