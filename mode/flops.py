@@ -21,6 +21,7 @@ from mode.experts.moe import moe_flops
 from mode.layers.attention import attention_flops
 from mode.layers.kinds import block_kind
 from mode.model import MoDETransformer
+from mode.protocols import ActiveShare
 
 __all__ = [
     "active_params",
@@ -60,11 +61,10 @@ def active_params(model: nn.Module) -> int:
     size (top_k / E, less the no-op share); tied weights count once."""
     total, seen = 0, set()
     for module in model.modules():
-        share = getattr(module, "active_share", None)
         own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
         seen.update(id(p) for p in own)
         n = sum(p.numel() for p in own)
-        total += round(n * share()) if callable(share) else n
+        total += round(n * module.active_share()) if isinstance(module, ActiveShare) else n
     return total
 
 

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from mode.protocols import KeepsFloat32, RoutingState
+
 _recompute_depth = 0  # > 0 while activation checkpointing re-runs a block's forward
 
 
@@ -153,7 +155,7 @@ def keeps_float32(module: nn.Module) -> bool:
     """Whether ``module``'s parameters stay float32 when a block is computed in bf16: routers
     and routing predictors and RMSNorms (a class attribute ``keeps_float32 = True``) and LayerNorms. FSDP2
     gives them a float32 unit of their own (``mode.parallel.fsdp``)."""
-    return bool(getattr(module, "keeps_float32", False)) or isinstance(module, nn.LayerNorm)
+    return (isinstance(module, KeepsFloat32) and bool(module.keeps_float32)) or isinstance(module, nn.LayerNorm)
 
 
 def step_records(model: nn.Module) -> list[torch.Tensor]:
@@ -164,9 +166,8 @@ def step_records(model: nn.Module) -> list[torch.Tensor]:
     replica then moves its state identically (``mode.parallel.mesh.sum_over_ranks``)."""
     out = []
     for m in model.modules():
-        records = getattr(m, "step_records", None)
-        if callable(records) and m is not model:
-            out.extend(records())
+        if isinstance(m, RoutingState) and m is not model:
+            out.extend(m.step_records())
     return out
 
 
@@ -178,9 +179,8 @@ def after_optimizer_step(model: nn.Module, apply: bool | torch.Tensor = True) ->
     ``apply`` may be a 0-dim bool tensor on the device: the hooks then decide there, with no
     host read."""
     for m in model.modules():
-        hook = getattr(m, "after_optimizer_step", None)
-        if callable(hook) and m is not model:
-            hook(apply)
+        if isinstance(m, RoutingState) and m is not model:
+            m.after_optimizer_step(apply)
 
 
 def routing_metrics(model: nn.Module) -> dict[str, float | list[float]]:
