@@ -194,25 +194,3 @@ def routing_metrics(model: nn.Module) -> dict[str, float | list[float]]:
                 value = value.item() if value.numel() == 1 else value.float().tolist()
             out[f"{name}/{key}" if name else key] = value
     return out
-
-
-# Router collapse, as ``health_warnings`` reports it.
-FIRST_POSITIONS_LIMIT = 0.9  # of a MoD router's picks in the first tenth of the positions
-EXPERT_SHARE_LIMIT = 0.5  # of all assignments on one real expert
-
-
-def health_warnings(metrics: dict[str, float | list[float]]) -> list[str]:
-    """Warnings for signs of router collapse in ``routing_metrics`` output: a MoD router that
-    sends more than 90% of its picks to the first 10% of positions, or one expert that takes
-    more than half of the assignments while others exist (a one-expert layer, whose one expert
-    takes every assignment and whose max load is its mean load, is no collapse)."""
-    out = []
-    for key, value in metrics.items():
-        layer = key.rsplit("/", 1)[0] if "/" in key else "layer"
-        if key.endswith("/position_share") or key == "position_share":
-            if isinstance(value, list) and value and value[0] > FIRST_POSITIONS_LIMIT:
-                out.append(f"{layer}: {value[0]:.0%} of the MoD router's picks are in the first 10% of positions")
-        over_mean = metrics.get(key + "_over_mean", float("inf"))
-        if (key.endswith("/load_max") or key == "load_max") and value > EXPERT_SHARE_LIMIT and over_mean > 1:
-            out.append(f"{layer}: one expert takes {value:.0%} of the assignments")
-    return out

@@ -42,8 +42,9 @@ from mode.model import MoDETransformer
 from mode.parallel.apply import init_parallel, parallelize_model
 from mode.parallel.mesh import ParallelContext, destroy, mean_over_ranks
 from mode.precision import PRECISION_DTYPES, resolve
-from mode.routed import health_warnings, routing_metrics
+from mode.routed import routing_metrics
 from mode.step import LMObjective, NonFiniteTrainingError, StepResult, build_optimizer, lr_at, train_step
+from mode.telemetry import health_warnings
 from mode.tokenizer import check_same_tokenizer, encode_prompt, load_tokenizer
 
 

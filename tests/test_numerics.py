@@ -170,7 +170,8 @@ def test_nan_in_the_data_is_skipped(tmp_path):
 
 
 def test_routing_health_metrics_and_collapse_warnings():
-    from mode.routed import health_warnings, routing_metrics
+    from mode.routed import routing_metrics
+    from mode.telemetry import health_warnings
 
     torch.manual_seed(0)
     block = mode.MoDBlock(D, 4, capacity=0.1)
