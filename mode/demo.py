@@ -13,9 +13,9 @@ import torch
 
 from mode.config import load_config
 from mode.data import decode, encode
+from mode.devices import resolve_device
 from mode.flops import train_flops_per_step
 from mode.precision import bf16_speedup, resolve
-from mode.telemetry import resolve_device
 from mode.train import train
 
 LAYOUTS = {"dense": "dense", "mod": "dense,mod"}

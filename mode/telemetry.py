@@ -107,13 +107,6 @@ class StepProfiler:
             self.prof = None
 
 
-def resolve_device(name: str) -> torch.device:
-    """``train.device`` resolved: "auto" is the first CUDA device when there is one, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class StepTimer:
     """Times of training steps without waiting for the device after each: ``start()`` and
     ``stop()`` around a step, ``read()`` on logging steps returns the seconds of every step

@@ -35,6 +35,7 @@ from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, from_dict, load_config, preset_names, to_dict
 from mode.convert import HF_PREFIX, hf_source_config, is_hf, published_dir, published_shape, upcycle
 from mode.data import Corpus, TokenSplit, load_corpus, source_tokenizer
+from mode.devices import resolve_device
 from mode.evaluation import evaluate_batches, rank_rows, sampled_windows
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import any_kind
@@ -247,7 +248,7 @@ class Run:
         model_said: str = "",
     ) -> Run:
         tc = cfg.train
-        device = ctx.device if ctx else telemetry.resolve_device(tc.device)
+        device = ctx.device if ctx else resolve_device(tc.device)
         precision = resolve(tc.precision, device)
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
         tokenizer = data_tokenizer(cfg)

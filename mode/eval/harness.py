@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from mode.devices import resolve_device
 from mode.eval import load_model
-from mode.telemetry import resolve_device
 from mode.tokenizer import load_tokenizer
 
 __all__ = ["ModeLM", "harness_device"]
