@@ -60,6 +60,17 @@ def read_json_object(
     return fields
 
 
+def options_object(cls: type, opts: object | None, options: dict, what: str, defaults: dict | None = None):
+    """A layer's options object: ``opts`` as given, or ``cls(**defaults, **options)`` built from
+    the layer's keywords (errors name the keyword: ``field_prefix=""``); ``TypeError`` when
+    both are given (one source, never a silent choice)."""
+    if opts is None:
+        return cls(**{**(defaults or {}), **options}, field_prefix="")
+    if options:
+        raise TypeError(f"give the {what} options as opts or as keywords, not both: {sorted(options)}")
+    return opts
+
+
 def check_number(name: str, value: object) -> None:
     """A real number (not a bool, a string or NaN)."""
     if isinstance(value, bool) or not isinstance(value, Real) or math.isnan(value):

@@ -20,7 +20,7 @@ from dataclasses import InitVar, dataclass
 import torch
 from torch import nn
 
-from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range, fail
+from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range, fail, options_object
 from mode.experts.dispatch import Dispatcher, LocalDispatcher
 from mode.experts.grouped_gemm import BACKEND_NAMES
 from mode.experts.mlp import MLP_KINDS, ExpertMLP, mlp_flops
@@ -147,16 +147,6 @@ class MoEConfig:
         return self.d_ff or expert_width(d_model, self.top_k, mlp_ratio)
 
 
-def moe_options(opts: MoEConfig | None, options: dict, defaults: dict | None = None) -> MoEConfig:
-    """A layer's options: ``opts``, or a ``MoEConfig`` of its keyword ``options`` over
-    ``defaults`` (errors name the keyword); ``TypeError`` when both are given."""
-    if opts is None:
-        return MoEConfig(**{**(defaults or {}), **options}, field_prefix="")
-    if options:
-        raise TypeError(f"give the MoE options as opts or as keywords, not both: {sorted(options)}")
-    return opts
-
-
 def moe_flops(
     n: int,
     d_model: int,
@@ -203,7 +193,7 @@ class MoELayer(Routed):
     ) -> None:
         super().__init__()
         given = {k: v for k, v in (("n_experts", n_experts), ("top_k", top_k)) if v is not None}
-        self.opts = opts = moe_options(opts, {**given, **options})
+        self.opts = opts = options_object(MoEConfig, opts, {**given, **options}, "MoE")
         self.n_experts, self.top_k, self.n_noop = opts.n_experts, opts.top_k, opts.n_noop
         self.renormalize, self.jitter = opts.renormalize, opts.jitter
         self.capacity_factor, self.drop_policy = opts.capacity_factor, opts.drop_policy

@@ -142,7 +142,7 @@ def hf_family(cfg: ModelConfig) -> str:
     every field that keeps it from one."""
     kinds = set(cfg.block_kinds())
     family = exporting_family(cfg)
-    mixed = "moe" in kinds and kinds <= {"dense", "moe"} and getattr(family, "shared", False)  # mlp_only_layers
+    mixed = "moe" in kinds and kinds <= {"dense", "moe"} and family.mixed_layouts
     problems = []
     if kinds - {"dense", "moe"} or (len(kinds) > 1 and not mixed):
         problems.append(

@@ -17,13 +17,15 @@ class Family(Protocol):
     """One ``model_type``: ``name`` (config.json's ``model_type``), ``architecture`` (the
     transformers class ``to_hf`` writes; None: read only), ``prefix`` (where its model's
     tensors sit: ``model.`` / ``transformer.``), ``sizes`` (the config fields that must be
-    positive ints) and ``moe`` (its blocks hold experts)."""
+    positive ints), ``moe`` (its blocks hold experts) and ``mixed_layouts`` (its models may mix
+    dense and MoE blocks: Qwen2-MoE's ``mlp_only_layers``)."""
 
     name: str
     architecture: str | None
     prefix: str
     sizes: tuple[str, ...]
     moe: bool
+    mixed_layouts: bool
 
     def config_in(self, c: dict, problems: list[str]) -> dict:
         """The ``model`` section of a ``ModelConfig`` for ``config.json`` ``c``; appends to

@@ -34,6 +34,7 @@ class GPT2:
     prefix: str = "transformer."
     sizes: tuple[str, ...] = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
     moe: bool = False
+    mixed_layouts: bool = False
 
     def config_in(self, c: dict, problems: list[str]) -> dict:
         acts = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}

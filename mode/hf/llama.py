@@ -60,6 +60,7 @@ class Llama:
     extra_out: dict = field(default_factory=lambda: {"attention_bias": False, "mlp_bias": False})
     prefix: str = "model."
     moe: bool = False
+    mixed_layouts: bool = False
 
     @property
     def sizes(self) -> tuple[str, ...]:

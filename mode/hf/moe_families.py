@@ -209,6 +209,7 @@ class Qwen2MoE(LlamaMoE):
     title: str = "Qwen2-MoE"
     qkv_bias: bool = True
     shared: bool = True
+    mixed_layouts: bool = True
     extra_out: dict = field(default_factory=dict)
 
     @property

@@ -19,8 +19,8 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from mode.checks import check_choice, check_hidden
-from mode.experts.moe import MoELayer, build_moe_layer, moe_options
+from mode.checks import check_choice, check_hidden, options_object
+from mode.experts.moe import MoEConfig, MoELayer, build_moe_layer
 from mode.layers.arch import DEFAULT_ARCH, Arch, make_norm
 from mode.layers.attention import CausalSelfAttention
 from mode.layers.kv_cache import KVCache
@@ -143,7 +143,7 @@ class IntegratedMoDEBlock(MoEBlock):
         **options: object,
     ) -> None:
         if moe is None:
-            opts = moe_options(None, options, self.NOOP_DEFAULTS)
+            opts = options_object(MoEConfig, None, options, "MoE", self.NOOP_DEFAULTS)
             moe = build_moe_layer(d_model, opts, d_ff or opts.width(d_model))
         elif options or d_ff is not None:
             raise TypeError(f"a built moe takes no MoE options: {sorted(options) + ['d_ff'] * (d_ff is not None)}")

@@ -22,7 +22,7 @@ from dataclasses import InitVar, dataclass
 import torch
 import torch.nn.functional as F
 
-from mode.checks import check_int, check_positive, check_range, fail
+from mode.checks import check_int, check_positive, check_range, fail, options_object
 from mode.routed import Routed
 
 
@@ -72,13 +72,9 @@ class EarlyExit(Routed):
 
     def __init__(self, n_layers: int, opts: EarlyExitConfig | None = None, **options: object) -> None:
         super().__init__()
-        if opts is not None and options:
-            raise TypeError(f"give the early-exit options as opts or as keywords, not both: {sorted(options)}")
-        if opts is None:  # errors name the keywords
-            opts = EarlyExitConfig(enabled=True, **options, field_prefix="")
-            opts.check_depth(n_layers, field_prefix="")
-        else:
-            opts.check_depth(n_layers)
+        keywords = opts is None  # errors name the keywords, else the config fields
+        opts = options_object(EarlyExitConfig, opts, options, "early-exit", {"enabled": True})
+        opts.check_depth(n_layers, field_prefix="" if keywords else "model.early_exit.")
         self.opts = opts
         self.n_layers, self.threshold = n_layers, opts.threshold
         self.loss_coef, self.min_layer = opts.loss_coef, opts.min_layer

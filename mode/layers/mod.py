@@ -14,8 +14,8 @@ from typing import ClassVar, Literal, get_args
 
 import torch
 
-from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range
-from mode.experts.moe import MoELayer, build_moe_layer, moe_options
+from mode.checks import check_choice, check_hidden, check_int, check_positive, check_range, options_object
+from mode.experts.moe import MoEConfig, MoELayer, build_moe_layer
 from mode.kernels import triton_missing_reason, triton_unavailable_reason
 from mode.layers.arch import DEFAULT_ARCH, Arch
 from mode.layers.blocks import DenseBlock, MoEBlock, TransformerBlock, check_routing, default_positions
@@ -91,18 +91,6 @@ class RoutingConfig:
 ROUTING_FIELDS = frozenset(f.name for f in fields(RoutingConfig))
 
 
-def routing_options(opts: RoutingConfig | None, options: dict, capacity: float | None = None) -> RoutingConfig:
-    """A block's routing options: ``opts``, or a ``RoutingConfig`` of its keyword ``options``
-    and ``capacity`` (errors name the keyword); ``TypeError`` when both are given."""
-    if capacity is not None:
-        options = {**options, "capacity": capacity}
-    if opts is None:
-        return RoutingConfig(**options, field_prefix="")
-    if options:
-        raise TypeError(f"give the routing options as opts or as keywords, not both: {sorted(options)}")
-    return opts
-
-
 class MoDBlock(Routed):
     """Mixture-of-Depths: a router picks ``k = floor(capacity * T)`` tokens per sequence; only
     they run through the inner block. Output ``x_i + g(r_i) * f(x_i)`` for chosen tokens and
@@ -135,7 +123,8 @@ class MoDBlock(Routed):
         **options: object,
     ) -> None:
         super().__init__()
-        opts = routing_options(opts, options, capacity)
+        given = {"capacity": capacity} if capacity is not None else {}
+        opts = options_object(RoutingConfig, opts, {**given, **options}, "routing")
         if self.FIXED_OPTIONS:
             opts = replace(opts, **self.FIXED_OPTIONS, field_prefix="")
         self.opts = opts
@@ -377,7 +366,7 @@ class StagedMoDEBlock(MoDBlock):
         routing = {k: v for k, v in options.items() if k in ROUTING_FIELDS}
         experts = {k: v for k, v in options.items() if k not in ROUTING_FIELDS}
         if moe is None:
-            moe_opts = moe_options(None, experts)
+            moe_opts = options_object(MoEConfig, None, experts, "MoE")
             moe = build_moe_layer(d_model, moe_opts, d_ff or moe_opts.width(d_model))
         elif experts or d_ff is not None:
             raise TypeError(f"a built moe takes no MoE options: {sorted(experts) + ['d_ff'] * (d_ff is not None)}")
