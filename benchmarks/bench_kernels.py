@@ -37,7 +37,8 @@ from benchmarks.common import interleaved_median_times, print_table, write_json
 from mode.experts.grouped_gemm import get_backend
 from mode.experts.permute import combine, permute, sort_by_expert
 from mode.kernels import triton_unavailable_reason
-from mode.routing.mod_topk import add_gated_tokens, capacity_to_k, take_tokens, token_rows
+from mode.layers.mod_moves import add_gated_tokens, take_tokens, token_rows
+from mode.routing.mod_topk import capacity_to_k
 
 NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, vendor figures
 

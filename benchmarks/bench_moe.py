@@ -34,7 +34,7 @@ from benchmarks.common import (
     print_table,
     write_json,
 )
-from mode.experts.grouped_gemm import BACKENDS, resolve_name, unavailable_reason
+from mode.experts.grouped_gemm import GEMM_BACKENDS, resolve_name, unavailable_reason
 from mode.experts.moe import CapacityMoE, DroplessMoE
 from mode.experts.permute import sort_by_expert
 from mode.layers.mlp import MLP
@@ -82,7 +82,7 @@ def make_input(n: int, d: int, router_w: torch.Tensor, case: str, dtype, device)
 def build_layers(args, dtype, base: DroplessMoE) -> dict[str, torch.nn.Module]:
     d, f, E, K = args.d_model, args.d_ff, args.experts, args.top_k
     layers: dict[str, torch.nn.Module] = {DENSE: MLP(d, K * f)}
-    for name in ["auto", *BACKENDS]:
+    for name in ["auto", *(b.name for b in GEMM_BACKENDS if b.gemm is not None)]:
         if name != "auto" and unavailable_reason(name, torch.device(args.device), dtype, d, f):
             continue
         shown = resolve_name(name, args.device, dtype, d, f, rows=args.tokens * K) if name == "auto" else None

@@ -17,7 +17,7 @@ from mode.experts.grouped_gemm import gmm_loop
 from mode.experts.moe import DroplessMoE
 from mode.kernels import triton_missing_reason, triton_unavailable_reason
 from mode.layers.mod import MoDBlock, StagedMoDEBlock
-from mode.routing.mod_topk import add_gated_tokens, take_tokens, token_rows
+from mode.layers.mod_moves import add_gated_tokens, take_tokens, token_rows
 from tests.tolerances import assert_close
 
 if triton_missing_reason():

@@ -93,3 +93,16 @@ def test_the_parallel_package_names_one_thing_each():
     from mode.parallel.expert_parallel import parallelize as expert_parallelize
 
     assert callable(parallelize) and parallelize is expert_parallelize is mode.parallel.parallelize
+
+
+def test_routing_holds_decisions_only():
+    """``mode.routing`` decides which tokens go where (pure functions, no parameters); moving
+    tokens (autograd functions) and modules live beside their users, e.g. ``layers/mod_moves.py``."""
+    movers = {}
+    for path in modules("routing"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b) for b in node.bases}
+                if bases & {"torch.autograd.Function", "Function", "nn.Module", "torch.nn.Module"}:
+                    movers[f"{path.relative_to(ROOT)}:{node.name}"] = sorted(bases)
+    assert not movers, movers

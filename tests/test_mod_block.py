@@ -39,7 +39,8 @@ def test_residual_form_and_unrouted_bit_exact():
     x = torch.randn(2, 16, D)
     out = blk(x)
     scores = blk.router_logits(x)
-    from mode.routing.mod_topk import expert_choice_topk, gather_tokens
+    from mode.layers.mod_moves import gather_tokens
+    from mode.routing.mod_topk import expert_choice_topk
 
     plan = expert_choice_topk(scores, 0.25)
     assert torch.equal(out[~plan.mask], x[~plan.mask])  # bit-exact

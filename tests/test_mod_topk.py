@@ -3,14 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mode.routing.mod_topk import (
-    add_gated_tokens,
-    capacity_to_k,
-    capacity_to_k_tensor,
-    expert_choice_topk,
-    gather_tokens,
-    take_tokens,
-)
+from mode.layers.mod_moves import add_gated_tokens, gather_tokens, take_tokens
+from mode.routing.mod_topk import capacity_to_k, capacity_to_k_tensor, expert_choice_topk
 from tests.reference import topk_reference
 from tests.tolerances import assert_close
 

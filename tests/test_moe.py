@@ -406,6 +406,31 @@ def test_backend_registry_explains_itself():
         get_backend("cutlass_magic")
 
 
+def test_backend_table_is_the_one_source():
+    """Every backend is one row: the option's choices, auto's CUDA order, the entry point an
+    ExpertMLP takes and the GEMM it calls all come from ``GEMM_BACKENDS``; each row's GEMM
+    equals the per-expert loop (an independent reference: one matmul per group) where it runs."""
+    from mode.experts.grouped_gemm import AUTO_CUDA_ORDER, GEMM_BACKENDS, backend
+    from mode.experts.moe import MoEConfig
+
+    names = [b.name for b in GEMM_BACKENDS]
+    assert len(set(names)) == len(names)
+    assert AUTO_CUDA_ORDER == ("megablocks", "torch", "triton", "loop")
+    for name in names:
+        MoEConfig(backend=name)  # accepted by the option
+        assert DroplessMoE(8, 16, 2, 1, backend=name).experts.backend == name
+    with pytest.raises(ValueError, match="closest|choose one of"):
+        MoEConfig(backend="chunkd")
+    torch.manual_seed(0)
+    x, w, counts = torch.randn(12, 16), torch.randn(3, 16, 8), torch.tensor([5, 0, 6])  # 1 scratch row
+    want = torch.cat([x[:5] @ w[0], x[5:11] @ w[2]])
+    for row in GEMM_BACKENDS:
+        assert row.entry in ("sorted", "scattered") and backend(row.name) is row
+        if row.unavailable(torch.device("cpu"), torch.float32, 16, 8) is None and row.name != "triton":
+            got = get_backend(row.name, "cpu", torch.float32, 16, 8)(x, w, counts)
+            assert_close(got[:11], want, "layer")
+
+
 @pytest.mark.parametrize(
     "kwargs,field",
     [

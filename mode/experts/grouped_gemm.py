@@ -2,7 +2,9 @@
 
 Rows of ``x`` are sorted by expert: rows ``offsets[e-1]:offsets[e]`` (``offsets = cumsum(counts)``)
 are multiplied by ``w[e]``. Rows past ``offsets[-1]`` (a static-size dispatch's scratch rows)
-belong to no expert: their output is unspecified (``loop`` writes zeros) and never read. Backends:
+belong to no expert: their output is unspecified (``loop`` writes zeros) and never read. The
+backends are the rows of one table, ``GEMM_BACKENDS`` (name, entry point, grouped GEMM, why it
+cannot run, place in ``auto``'s CUDA order):
 
 - ``loop``: one matmul per expert (the reference; any device and dtype).
 - ``torch``: ``torch._grouped_mm`` as a custom op whose registered backward makes the
@@ -23,10 +25,8 @@ belong to no expert: their output is unspecified (``loop`` writes zeros) and nev
   ``mode.experts.chunked``), which avoids the [M, D] permuted buffers. Where a grouped GEMM
   is still needed (tokens that arrive sorted, e.g. under expert parallelism) it uses
   ``torch`` where supported, else ``loop``.
-- ``auto``: on CUDA megablocks when importable, else torch where supported, else triton
-  where importable, else loop (torch before triton: on an H200 in bf16 ``torch._grouped_mm``
-  ran the scattered expert GEMMs 2.2x faster than our untuned Triton tiles, benchmarks/RESULTS.md
-  "GPU"; triton comes before ``loop`` because one launch replaces E matmuls); on
+- ``auto``: on CUDA the first that can run in ``AUTO_CUDA_ORDER`` (megablocks, torch, triton,
+  loop: see ``GEMM_BACKENDS`` for why; benchmarks/RESULTS.md "GPU"); on
   other devices ``chunked`` once the [M, D] sorted-token buffer it avoids would reach
   ``CHUNKED_MIN_BYTES``, else torch where supported, else loop (benchmarks/RESULTS.md,
   "auto on CPU").
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -167,39 +168,61 @@ def gmm_triton(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     return grouped_mm(x, w, counts)
 
 
+@dataclass(frozen=True, kw_only=True)
+class GemmBackend:
+    """One row of the backend table.
+
+    name: what ``model.moe.backend`` says. entry: the ``ExpertMLP`` entry point it implements,
+    "sorted" (a grouped GEMM over tokens already sorted by expert) or "scattered" (tokens in
+    their own order with the dispatch: the gather and the weighted combine fused into the
+    expert loop). gemm: its grouped GEMM on sorted rows, or None where it borrows the CPU
+    one (``chunked``: torch where supported, else loop). unavailable: (device, dtype, k, m)
+    -> why it cannot run there, or None. cuda_rank: its place in ``auto``'s order on CUDA
+    (lower first), None where ``auto`` never picks it there.
+    """
+
+    name: str
+    entry: Literal["sorted", "scattered"]
+    gemm: GroupedGemm | None
+    unavailable: Callable[[torch.device, torch.dtype, int, int], str | None]
+    cuda_rank: int | None = None
+
+
+def _always(device: torch.device, dtype: torch.dtype, k: int, m: int) -> None:
+    return None
+
+
+# The backend table: adding a backend is one row here (plus its module). auto on CUDA:
+# megablocks, then torch (on an H200 in bf16 torch._grouped_mm ran the scattered expert GEMMs
+# 2.2x faster than our untuned Triton tiles), then triton (one launch instead of E matmuls),
+# then loop.
+GEMM_BACKENDS: tuple[GemmBackend, ...] = (
+    GemmBackend(name="loop", entry="sorted", gemm=gmm_loop, unavailable=_always, cuda_rank=3),
+    GemmBackend(name="torch", entry="sorted", gemm=gmm_torch, unavailable=_torch_reason, cuda_rank=1),
+    GemmBackend(name="megablocks", entry="sorted", gemm=gmm_megablocks, unavailable=_megablocks_reason, cuda_rank=0),
+    GemmBackend(name="chunked", entry="scattered", gemm=None, unavailable=_always),
+    GemmBackend(name="triton", entry="scattered", gemm=gmm_triton, unavailable=_triton_reason, cuda_rank=2),
+)
+BACKENDS: dict[str, GemmBackend] = {b.name: b for b in GEMM_BACKENDS}
 BackendName = Literal["loop", "torch", "megablocks", "chunked", "triton"]
-BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
-BACKENDS: dict[str, GroupedGemm] = {
-    "loop": gmm_loop,
-    "torch": gmm_torch,
-    "megablocks": gmm_megablocks,
-    "triton": gmm_triton,
-}
-# Which ``ExpertMLP`` entry point each backend implements: "sorted" (tokens already sorted by
-# expert, a grouped GEMM) or "scattered" (tokens in their own order with the dispatch: the
-# gather and the weighted combine fused into the expert loop).
-ENTRY_POINTS: dict[str, Literal["sorted", "scattered"]] = {
-    "loop": "sorted",
-    "torch": "sorted",
-    "megablocks": "sorted",
-    "chunked": "scattered",
-    "triton": "scattered",
-}
-_REASONS = {
-    "loop": lambda *a: None,
-    "torch": _torch_reason,
-    "megablocks": _megablocks_reason,
-    "chunked": lambda *a: None,
-    "triton": _triton_reason,
-}
+BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
+assert BACKEND_NAMES == get_args(BackendName), "BackendName must list the table's rows in order"
+AUTO_CUDA_ORDER: tuple[str, ...] = tuple(
+    b.name for b in sorted((b for b in GEMM_BACKENDS if b.cuda_rank is not None), key=lambda b: b.cuda_rank)
+)
+
+
+def backend(name: str) -> GemmBackend:
+    """The table row of backend ``name`` (a ``ValueError`` with the closest name otherwise)."""
+    if name not in BACKENDS:
+        hint = closest(name, BACKEND_NAMES)
+        raise ValueError(f"backend={name!r} is invalid: choose one of {[*BACKEND_NAMES, 'auto']}{hint}")
+    return BACKENDS[name]
 
 
 def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, k: int = 64, m: int = 64) -> str | None:
     """Why backend ``name`` cannot run for these inputs, or None when it can."""
-    if name not in BACKEND_NAMES:
-        hint = closest(name, BACKEND_NAMES)
-        raise ValueError(f"backend={name!r} is invalid: choose one of {[*BACKEND_NAMES, 'auto']}{hint}")
-    return _REASONS[name](torch.device(device), dtype, k, m)
+    return backend(name).unavailable(torch.device(device), dtype, k, m)
 
 
 def _grouped_fallback(device: torch.device, dtype: torch.dtype, k: int, m: int) -> str:
@@ -236,7 +259,7 @@ def resolve_name(
                 return "chunked"
             return _grouped_fallback(device, dtype, k, m)
         reasons = {}
-        for candidate in ("megablocks", "torch", "triton", "loop"):
+        for candidate in AUTO_CUDA_ORDER:
             reason = unavailable_reason(candidate, device, dtype, k, m)
             if reason is None:
                 return candidate
@@ -253,10 +276,8 @@ def get_backend(
 ) -> GroupedGemm:
     """The grouped GEMM that backend ``name`` uses for these inputs (see ``resolve_name``);
     ``chunked`` uses ``torch`` where supported, else ``loop``."""
-    resolved = resolve_name(name, device, dtype, k, m)
-    if resolved == "chunked":
-        resolved = _grouped_fallback(torch.device(device), dtype, k, m)
-    return BACKENDS[resolved]
+    row = backend(resolve_name(name, device, dtype, k, m))
+    return row.gemm or backend(_grouped_fallback(torch.device(device), dtype, k, m)).gemm
 
 
 # FlopCounterMode counts the custom ops like any matmul: 2 * N * K * M.

@@ -10,7 +10,7 @@ dim, E experts.
   into the expert loop (backend ``chunked``) or into the GEMMs' loads and stores (backend
   ``triton``, ``mode.kernels.scatter_gemm``).
 
-Each backend declares which one it implements (``grouped_gemm.ENTRY_POINTS``);
+Each backend declares which one it implements (its ``grouped_gemm.GEMM_BACKENDS`` row's ``entry``);
 ``uses_scattered`` says which one this layer's backend resolves to for an input.
 """
 
@@ -23,7 +23,8 @@ from torch import nn
 
 from mode.checks import check_choice, check_int, check_positive
 from mode.experts.chunked import chunked_experts, expert_activation
-from mode.experts.grouped_gemm import ENTRY_POINTS, get_backend, resolve_name
+from mode.experts.grouped_gemm import backend as gemm_backend
+from mode.experts.grouped_gemm import get_backend, resolve_name
 
 MlpKind = Literal["gelu", "swiglu"]
 MLP_KINDS: tuple[str, ...] = get_args(MlpKind)
@@ -71,7 +72,7 @@ class ExpertMLP(nn.Module):
         # NOTE: decided at the dtype the experts compute in, as forward_scattered decides: under
         # bf16 autocast on CUDA, x's own float32 once sent the MoE to the chunked CPU path.
         name = resolve_name(self.backend, x.device, self.compute_dtype(x), d_model, d_ff, rows)
-        return ENTRY_POINTS[name] == "scattered" and not torch.compiler.is_compiling()
+        return gemm_backend(name).entry == "scattered" and not torch.compiler.is_compiling()
 
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype the experts compute in for input x: autocast's when autocast is on for x's

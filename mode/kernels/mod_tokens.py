@@ -4,7 +4,7 @@ Legend: B batch, T tokens, D model dim, n = B * k chosen rows of the flattened `
 token matrix (``rows``: distinct, as top-k per sequence makes them).
 
 The three row primitives of the MoD token moves, as launchers without autograd: the autograd
-functions that use them live once, in ``mode.routing.mod_topk``, which takes this module as
+functions that use them live once, in ``mode.layers.mod_moves``, which takes this module as
 its ``ops`` (``TorchRows`` there is the torch backend the tests compare against):
 
 - ``gather_rows(src [R, D], rows [n]) -> src[rows] [n, D]``: one program per row.

@@ -20,18 +20,12 @@ from mode.kernels import triton_missing_reason, triton_unavailable_reason
 from mode.layers.arch import DEFAULT_ARCH, Arch
 from mode.layers.blocks import DenseBlock, MoEBlock, TransformerBlock, check_routing, default_positions
 from mode.layers.kv_cache import KVCache
+from mode.layers.mod_moves import TorchRows, add_gated_tokens, take_tokens, token_rows
 from mode.layers.predictor import RoutingPredictor
 from mode.routed import Routed, Router, measuring
 from mode.routing.causal import causal_decisions, decision_metrics, membership_bce
 from mode.routing.counting import count_ids
-from mode.routing.mod_topk import (
-    TorchRows,
-    add_gated_tokens,
-    capacity_to_k,
-    expert_choice_topk,
-    take_tokens,
-    token_rows,
-)
+from mode.routing.mod_topk import capacity_to_k, expert_choice_topk
 
 # g in ``x + g(r) * f(x)``; "none" is g = 1 (no router gradient: ablations, equivalence tests).
 Gate = Literal["sigmoid", "identity", "none"]
