@@ -55,7 +55,7 @@ from mode.checks import is_file_name
 from mode.config import Config, from_dict, to_dict
 from mode.dcp_reader import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from mode.parallel.expert_parallel import expert_parameters
-from mode.parallel.mesh import ParallelContext
+from mode.parallel.mesh import ONE_PROCESS, ParallelContext
 
 # Version of the checkpoint layout this code writes; it reads this one and older ones (0: the
 # files written before the version was recorded, the same layout).
@@ -268,12 +268,12 @@ def save(
     progress: Progress | None = None,
     cfg: Config | None = None,
     data_rng: torch.Generator | None = None,
-    ctx: ParallelContext | None = None,
+    ctx: ParallelContext = ONE_PROCESS,
     keep: int = 1,
     warn: Callable[[str], None] = print,
 ) -> None:
-    """Save model, optimizer, progress, RNG states and config atomically: one file when
-    ``ctx`` is None, else a DCP directory written by every rank of ``ctx``. With ``keep`` > 1
+    """Save model, optimizer, progress, RNG states and config atomically: one file in one
+    process, else a DCP directory written by every rank of ``ctx``. With ``keep`` > 1
     the checkpoint it replaces stays as ``<path>.step<N>`` and the ``keep - 1`` newest of those
     are kept.
 
@@ -290,7 +290,7 @@ def save(
     }
     if cfg is not None:
         extra["config"] = to_dict(cfg)
-    if ctx is not None:
+    if ctx.distributed:
         save_sharded(path, model, ctx, extra, optimizer, keep, warn)
         return
     path = Path(path)
@@ -323,13 +323,13 @@ def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     data_rng: torch.Generator | None = None,
-    ctx: ParallelContext | None = None,
+    ctx: ParallelContext = ONE_PROCESS,
     trust_file: bool = False,
 ) -> Progress:
     """Restore model (and optimizer, RNG states) from either kind; returns the progress.
 
-    A DCP directory loads on any ``dp`` x ``ep`` layout, and into a single process (``ctx``
-    None), model and optimizer; the optimizer must be an AdamW over ``model``'s parameters.
+    A DCP directory loads on any ``dp`` x ``ep`` layout, and into a single process
+    (``ONE_PROCESS``), model and optimizer; the optimizer must be an AdamW over ``model``'s parameters.
     Files are read without running code from them (``read_file``; ``trust_file``).
     """
     path = Path(path)
@@ -410,14 +410,14 @@ def _global_view(t: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     return DTensor.from_local(local, ctx.mesh, [Shard(1), Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
-def _expert_names(model: nn.Module, ctx: ParallelContext | None) -> set[str]:
-    if ctx is None or ctx.ep_size == 1:
+def _expert_names(model: nn.Module, ctx: ParallelContext) -> set[str]:
+    if ctx.ep_size == 1:
         return set()  # experts are whole on every rank (or FSDP-sharded like any weight)
     ids = {id(p) for p in expert_parameters(model)}
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
-def sharded_state_dict(model: nn.Module, ctx: ParallelContext | None) -> dict[str, torch.Tensor]:
+def sharded_state_dict(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """The model's state dict (FSDP2: DTensor shards) with expert shards as global DTensors;
     its tensors share storage with the model, so ``dcp.load`` into it loads the model."""
     experts = _expert_names(model, ctx)
@@ -425,7 +425,7 @@ def sharded_state_dict(model: nn.Module, ctx: ParallelContext | None) -> dict[st
 
 
 def optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext | None
+    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext
 ) -> dict[str, dict[str, torch.Tensor]]:
     """``{parameter name: AdamW state}`` (tensors shared with the optimizer; expert state as
     global DTensors). A parameter without state yet gets AdamW's initial one (step 0, zero
@@ -445,7 +445,7 @@ def optimizer_state_dict(
     return out
 
 
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: ParallelContext | None) -> dict:
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: ParallelContext) -> dict:
     """What a DCP checkpoint holds, as tensors sharing storage with the model and optimizer:
     ``dcp.save`` writes them, ``dcp.load`` fills them in place."""
     state = {"model": sharded_state_dict(model, ctx)}
@@ -457,7 +457,7 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: P
 def save_sharded(
     path: str | Path,
     model: nn.Module,
-    ctx: ParallelContext | None,
+    ctx: ParallelContext,
     extra: dict | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     keep: int = 1,
@@ -503,7 +503,7 @@ def save_sharded(
 def load_sharded(
     path: str | Path,
     model: nn.Module,
-    ctx: ParallelContext | None,
+    ctx: ParallelContext,
     optimizer: torch.optim.Optimizer | None = None,
     trust_file: bool = False,
 ) -> dict:
@@ -546,7 +546,7 @@ def load_newest_good(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     data_rng: torch.Generator | None = None,
-    ctx: ParallelContext | None = None,
+    ctx: ParallelContext = ONE_PROCESS,
     warn=print,
 ) -> tuple[Path, Progress] | None:
     """Load the newest checkpoint at ``path`` that passes its checks (``latest``, then the

@@ -5,7 +5,7 @@
   from a generator seeded 0 (the same windows for every model and every evaluation);
 - ``consecutive_windows(tokens, seq_len, batch_size, max_batches)``: every token predicted
   once, in consecutive ``seq_len`` windows (the last partial window left out);
-- ``evaluate_batches(model, batches, routing, ctx, precision)``: the mean cross-entropy per
+- ``evaluate_batches(model, batches, routing, *, ctx, precision)``: the mean cross-entropy per
   token over the batches (each batch weighted by its tokens; under ``ctx`` each rank reads its
   rows of every batch and the loss is averaged over ranks), the tokens predicted, and each
   scalar routing metric's mean over the batches.
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mode.data import TokenSplit
-from mode.parallel.mesh import ParallelContext, mean_over_ranks
+from mode.parallel.mesh import ONE_PROCESS, ParallelContext, mean_over_ranks
 from mode.precision import autocast
 from mode.routed import routing_metrics
 
@@ -30,9 +30,9 @@ __all__ = ["Evaluation", "consecutive_windows", "evaluate_batches", "rank_rows",
 Batch = tuple[torch.Tensor, torch.Tensor]  # x, y: [B, T] int64, y = x shifted by one
 
 
-def rank_rows(batch_size: int, ctx: ParallelContext | None) -> slice:
-    """This rank's rows of a global batch of ``batch_size`` rows (all of them without ``ctx``)."""
-    rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
+def rank_rows(batch_size: int, ctx: ParallelContext = ONE_PROCESS) -> slice:
+    """This rank's rows of a global batch of ``batch_size`` rows (all of them in one process)."""
+    rank, world = ctx.rank, ctx.world_size
     return slice(rank * batch_size // world, (rank + 1) * batch_size // world)
 
 
@@ -69,7 +69,8 @@ def evaluate_batches(
     model: nn.Module,
     batches: Iterable[Batch],
     routing: str = "topk",
-    ctx: ParallelContext | None = None,
+    *,
+    ctx: ParallelContext = ONE_PROCESS,
     precision: str = "fp32",
 ) -> Evaluation:
     """``model`` (in eval mode for the loop, then as it was) on ``batches``; see the module docstring."""

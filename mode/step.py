@@ -11,13 +11,12 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from mode.compile import compiled_piece
 from mode.config import TrainConfig
 from mode.model import MoDETransformer
 from mode.parallel.fsdp import clip_grad_norm, scale_expert_grads, set_gradient_sync
-from mode.parallel.mesh import ParallelContext, sum_over_ranks
+from mode.parallel.mesh import ONE_PROCESS, ParallelContext, min_over_ranks_, sum_over_ranks
 from mode.precision import autocast
 from mode.routed import after_optimizer_step, aux_loss, metrics_scope, step_records
 
@@ -119,7 +118,8 @@ def train_step(
     x: torch.Tensor,
     y: torch.Tensor,
     grad_clip: float = 0.0,
-    ctx: ParallelContext | None = None,
+    *,
+    ctx: ParallelContext = ONE_PROCESS,
     objective: torch.nn.Module | None = None,
     precision: str = "fp32",
     accum_steps: int = 1,
@@ -131,10 +131,11 @@ def train_step(
     runs forward (through ``objective``, default ``LMObjective(model)``) under the autocast of
     ``precision`` ("fp32" or "bf16") and backward on ``(LM loss + auxiliary loss) /
     accum_steps``, so the gradients equal those of one batch of B rows for losses that are
-    means over sequences or tokens. Under FSDP (``ctx``) gradients are reduced only on the
-    last micro-batch. Then: routing state recorded by the forwards is summed over the ranks,
-    gradients are clipped by their global norm when ``grad_clip`` > 0, the optimizer steps,
-    and the modules' ``after_optimizer_step`` hooks move the routing state once.
+    means over sequences or tokens. Under FSDP (``ctx``: the ranks, ``ONE_PROCESS`` by
+    default) gradients are reduced only on the last micro-batch. Then: routing state recorded
+    by the forwards is summed over the ranks, gradients are clipped by their global norm when
+    ``grad_clip`` > 0, the optimizer steps, and the modules' ``after_optimizer_step`` hooks
+    move the routing state once.
 
     A step whose loss or gradient norm is not finite (on any rank) is skipped: gradients and
     the recorded routing state are dropped, the weights and optimizer state are left as they
@@ -162,12 +163,10 @@ def train_step(
         loss, aux = losses[0], auxes[0]
     else:
         loss, aux = torch.stack(losses).mean(), torch.stack(auxes).mean()
-    if ctx is not None:
-        scale_expert_grads(model, ctx)
+    scale_expert_grads(model, ctx)
     grad_norm = clip_grad_norm(model, grad_clip or math.inf, ctx)
     finite = compiled_piece(finite_step, model)(loss, aux, grad_norm)
-    if ctx is not None:
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips the same steps
+    min_over_ranks_(finite, ctx)  # every rank skips the same steps
     ok, skipped, found_inf = compiled_piece(step_flags, model)(finite)
     if _skips_on_device(opt):
         opt.found_inf = found_inf  # the fused kernel skips the whole update where it is 1
@@ -178,7 +177,6 @@ def train_step(
     elif ok.item():  # one host read: this optimizer cannot skip on the device
         opt.step()
     opt.zero_grad(set_to_none=True)
-    if ctx is not None:
-        sum_over_ranks(step_records(model))  # every replica moves its routing state alike
+    sum_over_ranks(step_records(model), ctx)  # every replica moves its routing state alike
     compiled_piece(after_optimizer_step, model)(model, ok)
     return StepResult(loss, aux, grad_norm, skipped)

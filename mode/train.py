@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from mode import checkpoint, run_dir, telemetry
 from mode.cadence import Cadence
@@ -35,13 +34,12 @@ from mode.compile import compile_enabled
 from mode.config import Config, ModelConfig, from_dict, load_config, preset_names, to_dict
 from mode.convert import HF_PREFIX, hf_source_config, is_hf, published_dir, published_shape, upcycle
 from mode.data import Corpus, TokenSplit, load_corpus, source_tokenizer
-from mode.devices import resolve_device
 from mode.evaluation import evaluate_batches, rank_rows, sampled_windows
 from mode.flops import print_flops, train_flops_per_step
 from mode.layers.kinds import any_kind
 from mode.model import MoDETransformer
 from mode.parallel.apply import init_parallel, parallelize_model
-from mode.parallel.mesh import ParallelContext, destroy, mean_over_ranks
+from mode.parallel.mesh import ONE_PROCESS, ParallelContext, barrier, destroy, mean_over_ranks
 from mode.precision import PRECISION_DTYPES, resolve
 from mode.routed import routing_metrics
 from mode.step import LMObjective, NonFiniteTrainingError, StepResult, build_optimizer, lr_at, train_step
@@ -55,7 +53,8 @@ def evaluate(
     batch_size: int,
     n_batches: int,
     routing: str = "topk",
-    ctx: ParallelContext | None = None,
+    *,
+    ctx: ParallelContext = ONE_PROCESS,
     precision: str = "fp32",
 ) -> tuple[float, dict[str, float]]:
     """Mean cross-entropy (nats/token) over fixed windows of ``split`` (the same windows for
@@ -196,7 +195,7 @@ class Run:
     """A training run's parts, made by ``Run.start(cfg)``; ``train`` drives them."""
 
     cfg: Config
-    ctx: ParallelContext | None
+    ctx: ParallelContext  # one process is a context of size 1
     device: torch.device
     precision: str
     model: MoDETransformer
@@ -227,12 +226,11 @@ class Run:
             cfg.model = published_shape(cfg.model, hf_source_config(tc.init_from))
         ctx = init_parallel(cfg)
         lock = None
-        if ctx is None or ctx.rank == 0:  # before anything is read or written there
+        if ctx.rank == 0:  # before anything is read or written there
             lock = run_dir.claim(tc.out_dir, tc.resume, tc.overwrite, warn=telemetry.LOG.warning)
-        if ctx is not None:
-            dist.barrier()
+        barrier(ctx)
         try:
-            return cls._start(cfg, model, ctx, lock, model_said)
+            return cls._start(cfg, model=model, ctx=ctx, lock=lock, model_said=model_said)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -242,13 +240,14 @@ class Run:
     def _start(
         cls,
         cfg: Config,
+        *,
         model: MoDETransformer | None,
-        ctx: ParallelContext | None,
+        ctx: ParallelContext,
         lock: run_dir.RunLock | None,
         model_said: str = "",
     ) -> Run:
         tc = cfg.train
-        device = ctx.device if ctx else resolve_device(tc.device)
+        device = ctx.device
         precision = resolve(tc.precision, device)
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
         tokenizer = data_tokenizer(cfg)
@@ -256,22 +255,22 @@ class Run:
             cfg.data.source, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.cache_dir, cfg.data.tokenizer
         )
         cfg.model = _fit_vocab(cfg.model, data, cfg.data.source)
-        ckpt = Path(tc.out_dir) / ("ckpt" if ctx else "ckpt.pt")
+        ckpt = Path(tc.out_dir) / ("ckpt" if ctx.distributed else "ckpt.pt")
         resume_from = checkpoint.latest(ckpt) if tc.resume else None
         if model is None and tc.init_from and resume_from is None:
             # Every rank converts the same way (seeded), then the model is sharded like any other.
             model = upcycle(tc.init_from, cfg, seed=tc.seed)
-        model = parallelize_model((model or MoDETransformer(cfg.model)).to(device), cfg, ctx, precision)
+        model = parallelize_model((model or MoDETransformer(cfg.model)).to(device), cfg, ctx=ctx, precision=precision)
         opt = build_optimizer(model, tc)
         gen = torch.Generator().manual_seed(tc.seed)
         config = to_dict(cfg)
-        log = telemetry.RunLogger(tc.out_dir, ctx.rank if ctx else 0, cfg.name, tc.progress, list(tc.loggers), config)
+        log = telemetry.RunLogger(tc.out_dir, ctx.rank, cfg.name, tc.progress, list(tc.loggers), config)
         start, elapsed = 0, 0.0
         if resume_from is not None:
             # The newest checkpoint that passes its checks (older ones kept by keep_checkpoints
             # are the fallback). The time budget continues too: the schedule and the max_seconds
             # stop use it.
-            found, (start, elapsed) = checkpoint.load_newest_good(ckpt, model, opt, gen, ctx, warn=log.warn)
+            found, (start, elapsed) = checkpoint.load_newest_good(ckpt, model, opt, gen, ctx=ctx, warn=log.warn)
             log.append = start > 0  # metrics.jsonl continues
             resumed = f"; resumed from {found} at step {start}" + (f" ({model_said})" if model_said else "")
         elif tc.resume:
@@ -280,17 +279,20 @@ class Run:
         else:
             resumed = ""
         peak_flops, peak_how = telemetry.measure_peak_flops(device, PRECISION_DTYPES[precision])
-        layout = f"dp {ctx.dp_size} x ep {ctx.ep_size}" if ctx else "1 process"
         compiled = "compiled blocks" if compile_enabled(tc.compile, device) else "eager"
         fused = "fused" if opt.param_groups[0].get("fused") else "foreach"
         log.say(
-            f"{cfg.name}: device {device}, precision {precision}, {compiled}, {fused} AdamW, {layout}; "
+            f"{cfg.name}: device {device}, precision {precision}, {compiled}, {fused} AdamW, {ctx.layout()}; "
             f"MFU against {peak_flops / 1e12:.2f} TFLOP/s per rank ({peak_how}); data {cfg.data.source}, "
             f"tokenizer {tokenizer}{resumed}"
         )
         log.write_json("config.json", config)
-        world = ctx.world_size if ctx else 1
-        info = {"precision": precision, "world_size": world, "peak_flops_per_rank": peak_flops, "peak_how": peak_how}
+        info = {
+            "precision": precision,
+            "world_size": ctx.world_size,
+            "peak_flops_per_rank": peak_flops,
+            "peak_how": peak_how,
+        }
         if tc.init_from:  # the checkpoint this run's weights were converted from (resumes keep saying it)
             prefix = HF_PREFIX if is_hf(tc.init_from) else ""
             info["init_from"] = prefix + str(Path(tc.init_from.removeprefix(prefix)).resolve())
@@ -298,32 +300,28 @@ class Run:
         flops = train_flops_per_step(cfg.model, tc.batch_size)
         objective = LMObjective(model)
         return cls(
-            cfg,
-            ctx,
-            device,
-            precision,
-            model,
-            opt,
-            objective,
-            data,
-            gen,
-            ckpt,
-            start,
-            elapsed,
-            log,
-            flops,
-            peak_flops,
-            lock,
+            cfg=cfg,
+            ctx=ctx,
+            device=device,
+            precision=precision,
+            model=model,
+            opt=opt,
+            objective=objective,
+            data=data,
+            gen=gen,
+            ckpt=ckpt,
+            start_step=start,
+            elapsed=elapsed,
+            log=log,
+            flops_per_step=flops,
+            peak_flops=peak_flops,
+            lock=lock,
         )
 
     def release(self) -> None:
         """Give the run directory's lock back (the run is over, or failed)."""
         if self.lock is not None:
             self.lock.release()
-
-    @property
-    def rank_and_world(self) -> tuple[int, int]:
-        return (self.ctx.rank, self.ctx.world_size) if self.ctx else (0, 1)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch, on the device."""
@@ -335,7 +333,7 @@ class Run:
         """Tokens/s, FLOP/s and MFU of step ``done`` (``telemetry.throughput``). An MFU above 1
         shows that the peak measured at start was undercut by other work on the device: it is
         measured again (the best kept, in ``run_info.json`` too) and the run says so."""
-        tokens, world = self.cfg.train.batch_size * self.cfg.model.seq_len, self.rank_and_world[1]
+        tokens, world = self.cfg.train.batch_size * self.cfg.model.seq_len, self.ctx.world_size
         rates = telemetry.throughput(tokens, self.flops_per_step, step_time, self.peak_flops * world)
         if rates["mfu"] <= 1:
             return rates
@@ -405,7 +403,7 @@ class Run:
             point = {"step": step, "seconds": record["elapsed"], "flops": step * self.flops_per_step}
             point["val_loss"] = result.val_loss
             if self.model.supports_causal() and any_kind(self.model.block_kinds, "routes_depth"):
-                result.val_loss_causal, metrics = evaluate(*args, "causal", self.ctx, self.precision)
+                result.val_loss_causal, metrics = evaluate(*args, "causal", ctx=self.ctx, precision=self.precision)
                 point["val_loss_causal"] = record["val_loss_causal"] = result.val_loss_causal
                 record.update({f"{k}@causal_eval": v for k, v in metrics.items() if "causal_share" in k})
             result.history.append(point)
@@ -415,7 +413,15 @@ class Run:
         tc = self.cfg.train
         progress = checkpoint.Progress(step, elapsed)
         checkpoint.save(
-            self.ckpt, self.model, self.opt, progress, self.cfg, self.gen, self.ctx, tc.keep_checkpoints, self.log.warn
+            self.ckpt,
+            self.model,
+            self.opt,
+            progress,
+            self.cfg,
+            self.gen,
+            ctx=self.ctx,
+            keep=tc.keep_checkpoints,
+            warn=self.log.warn,
         )
 
 
@@ -459,7 +465,7 @@ def _train_steps(run: Run, stop_at: int | None) -> tuple[MoDETransformer, TrainR
     )
     bad_run, worst_run = torch.zeros((), device=run.device), torch.zeros((), device=run.device)  # skips in a row
     timer = telemetry.StepTimer(run.device)
-    profiler = telemetry.StepProfiler(tc.out_dir, list(tc.profile_steps), run.rank_and_world[0])
+    profiler = telemetry.StepProfiler(tc.out_dir, list(tc.profile_steps), run.ctx.rank)
     run.model.train()
     cadence = Cadence(tc, stop_at)
     overdue = False  # the time budget is spent: the next step is the last
@@ -480,11 +486,11 @@ def _train_steps(run: Run, stop_at: int | None) -> tuple[MoDETransformer, TrainR
             x,
             y,
             tc.grad_clip,
-            run.ctx,
-            run.objective,
-            run.precision,
-            tc.grad_accum_steps,
-            plan.metrics,
+            ctx=run.ctx,
+            objective=run.objective,
+            precision=run.precision,
+            accum_steps=tc.grad_accum_steps,
+            metrics=plan.metrics,
         )
         timer.stop()
         profiler.end(done)

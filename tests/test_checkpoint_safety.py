@@ -13,6 +13,7 @@ from mode import checkpoint
 from mode.checkpoint import FORMAT_VERSION, CheckpointError, CheckpointWriteError
 from mode.config import load_config
 from mode.model import MoDETransformer
+from mode.parallel.mesh import ONE_PROCESS
 from tests.tiny import TINY_MODEL
 
 
@@ -134,7 +135,7 @@ def test_a_dcp_directory_with_a_damaged_shard_is_caught(tmp_path, model):
     from mode.checkpoint import _dcp_state, _write_checksums, verify_directory
 
     directory = tmp_path / "ckpt"
-    dcp.save(_dcp_state(model, None, None), checkpoint_id=str(directory))
+    dcp.save(_dcp_state(model, None, ONE_PROCESS), checkpoint_id=str(directory))
     _write_checksums(directory)
     verify_directory(directory)  # as written: passes
     shard = next(f for f in sorted(directory.iterdir()) if f.suffix == ".distcp")

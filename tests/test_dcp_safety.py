@@ -17,6 +17,7 @@ from mode.convert import upcycle
 from mode.eval import main_eval, main_generate
 from mode.hf import main as export_main
 from mode.model import MoDETransformer
+from mode.parallel.mesh import ONE_PROCESS
 from tests.tiny import TINY
 
 
@@ -46,7 +47,7 @@ def sharded_checkpoint(directory: Path, preset: str = "dense") -> MoDETransforme
         "data_rng": None,
         "config": to_dict(cfg),
     }
-    checkpoint.save_sharded(directory, model, None, extra, opt)
+    checkpoint.save_sharded(directory, model, ONE_PROCESS, extra, opt)
     return model
 
 

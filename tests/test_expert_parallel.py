@@ -14,7 +14,7 @@ from mode import DroplessMoE, IntegratedMoDEBlock, StagedMoDEBlock, checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
 from mode.parallel.expert_parallel import dispatch_stats, parallelize
-from mode.parallel.mesh import check_sizes, init_mesh
+from mode.parallel.mesh import ONE_PROCESS, check_sizes, init_mesh
 from tests.dist_utils import run_workers
 from tests.tiny import TINY
 from tests.tolerances import assert_close
@@ -205,14 +205,14 @@ def test_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     torch.manual_seed(0)
     model = MoDETransformer(cfg).eval()
     path = tmp_path / "ckpt"
-    checkpoint.save_sharded(path, model, None, extra={"step": 1})
+    checkpoint.save_sharded(path, model, ONE_PROCESS, extra={"step": 1})
     with torch.no_grad():
         model.tok_emb.weight.add_(1.0)
     with pytest.raises(Exception):  # noqa: B017 (the pickler's error type is not ours to pin)
-        checkpoint.save_sharded(path, model, None, extra={"step": 2, "unpicklable": lambda: None})
+        checkpoint.save_sharded(path, model, ONE_PROCESS, extra={"step": 2, "unpicklable": lambda: None})
     torch.manual_seed(0)
     restored = MoDETransformer(cfg).eval()
-    assert checkpoint.load_sharded(path, restored, None)["step"] == 1
+    assert checkpoint.load_sharded(path, restored, ONE_PROCESS)["step"] == 1
     torch.manual_seed(0)
     assert_close(restored.tok_emb.weight, MoDETransformer(cfg).tok_emb.weight, "exact")
     # Written outside mode.train (no RNG state, no config): the model still loads.

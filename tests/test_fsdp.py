@@ -13,7 +13,7 @@ from mode import checkpoint
 from mode.config import load_config
 from mode.model import MoDETransformer
 from mode.parallel.apply import parallelize_model
-from mode.parallel.mesh import init_mesh
+from mode.parallel.mesh import ONE_PROCESS, init_mesh
 from mode.step import build_optimizer
 from mode.train import train
 from tests.dist_utils import run_workers
@@ -127,7 +127,7 @@ def test_fsdp_layouts_match_one_process_and_checkpoints_reshard(tmp_path):
     assert checkpoint.load(tmp_path / "2x2" / "moe-global_batch" / "ckpt", model, opt).step == STEPS
     saved_2x2 = torch.load(tmp_path / "2x2" / "final.pt")
     assert_close(logits_of(model), saved_2x2["logits"], "layer")
-    single_state = full_optimizer_state(model, opt, None)
+    single_state = full_optimizer_state(model, opt, ONE_PROCESS)
     assert single_state.keys() == saved_2x2["optim"].keys()
     for name, value in saved_2x2["optim"].items():
         assert torch.equal(single_state[name], value), name

@@ -15,7 +15,7 @@ from mode.config import load_config
 from mode.experts.moe import MoELayer
 from mode.model import MoDETransformer
 from mode.parallel.apply import parallelize_model
-from mode.parallel.mesh import init_mesh
+from mode.parallel.mesh import ONE_PROCESS, init_mesh
 from mode.step import train_step
 from tests.dist_utils import run_workers
 from tests.test_train_step import forward_backward_records
@@ -57,7 +57,7 @@ def whole_weights(model: torch.nn.Module, ctx) -> dict[str, torch.Tensor]:
     }
 
 
-def sgd_gradients(model: torch.nn.Module, x, y, ctx=None) -> dict[str, torch.Tensor]:
+def sgd_gradients(model: torch.nn.Module, x, y, ctx=ONE_PROCESS) -> dict[str, torch.Tensor]:
     """The gradient ``train_step`` applies, as ``before - after`` of one plain SGD step with lr 1."""
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     before = whole_weights(model, ctx)

@@ -92,13 +92,13 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext | None) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, ctx: ParallelContext) -> torch.Tensor:
     """Clip every gradient by the global norm (float32) and return the norm before clipping.
 
     Under FSDP2 each rank holds a disjoint piece of every gradient (the non-expert ones split
     over the world, the experts over ep and then dp), so the squared norm is the sum over
     the world of each rank's local sums: one all-reduce."""
-    if ctx is None:
+    if not ctx.distributed:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     local = [
         p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters() if p.grad is not None

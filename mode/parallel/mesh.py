@@ -16,18 +16,29 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelContext:
-    """The mesh and the groups a training run needs (runtime objects: never in a config)."""
+    """The mesh and the groups a training run needs (runtime objects: never in a config).
 
-    mesh: DeviceMesh  # 2-D ("dp", "ep")
-    dp_size: int
-    ep_size: int
-    world_mesh: DeviceMesh  # 1-D ("world",): every rank, for the non-expert FSDP shards
+    One process is a context of size 1, as torchtitan's ``ParallelDims`` is: no mesh, rank 0,
+    world size 1, its device ``local_device``, and every collective here is the identity on
+    it (``ONE_PROCESS`` where the device does not matter). ``distributed`` says whether there
+    is a process group behind it.
+    """
+
+    mesh: DeviceMesh | None = None  # 2-D ("dp", "ep")
+    dp_size: int = 1
+    ep_size: int = 1
+    world_mesh: DeviceMesh | None = None  # 1-D ("world",): every rank, for the non-expert FSDP shards
+    local_device: torch.device | None = None  # one process's device (None: the CPU)
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
 
     @property
     def rank(self) -> int:
-        return dist.get_rank()
+        return dist.get_rank() if self.distributed else 0
 
     @property
     def world_size(self) -> int:
@@ -35,13 +46,24 @@ class ParallelContext:
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
+        if not self.distributed:
+            raise RuntimeError("one process has no expert-parallel group")
         return self.mesh.get_group("ep")
 
     @property
     def device(self) -> torch.device:
+        if not self.distributed:
+            return self.local_device or torch.device("cpu")
         if self.mesh.device_type == "cuda":
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         return torch.device("cpu")
+
+    def layout(self) -> str:
+        """What a run's first line says of it: "dp 2 x ep 2", or "1 process"."""
+        return f"dp {self.dp_size} x ep {self.ep_size}" if self.distributed else "1 process"
+
+
+ONE_PROCESS = ParallelContext()
 
 
 def check_sizes(world_size: int, dp: int, ep: int, n_experts: int | None = None) -> None:
@@ -126,23 +148,37 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def mean_over_ranks(value: float, ctx: ParallelContext | None) -> float:
-    """The mean of a host number over all ranks (itself without ``ctx``)."""
-    if ctx is None:
+def barrier(ctx: ParallelContext) -> None:
+    """Wait for every rank (nothing to wait for in one process)."""
+    if ctx.distributed:
+        dist.barrier()
+
+
+def mean_over_ranks(value: float, ctx: ParallelContext = ONE_PROCESS) -> float:
+    """The mean of a host number over all ranks (itself in one process)."""
+    if not ctx.distributed:
         return value
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return t.item() / ctx.world_size
 
 
-def sum_over_ranks(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
-    """Sum each tensor over the ranks of ``group`` (default: all), in place, with one
-    all-reduce per dtype (the tensors flattened into one buffer)."""
+def min_over_ranks_(t: torch.Tensor, ctx: ParallelContext) -> None:
+    """In place: the elementwise minimum of ``t`` over all ranks (``t`` itself in one process)."""
+    if ctx.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+
+
+def sum_over_ranks(tensors: list[torch.Tensor], ctx: ParallelContext) -> None:
+    """Sum each tensor over all ranks, in place, with one all-reduce per dtype (the tensors
+    flattened into one buffer); nothing to do in one process."""
+    if not ctx.distributed:
+        return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group)
+        dist.all_reduce(flat)
         for t, part in zip(same, flat.split([t.numel() for t in same]), strict=True):
             t.copy_(part.view_as(t))
