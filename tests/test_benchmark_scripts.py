@@ -196,7 +196,6 @@ def test_routing_diagnostics_on_tiny_trained_runs(tmp_path):
     assert (tmp_path / "routing-diagnostics.png").is_file()
 
 
-
 def test_compare_evidence_writes_every_loss_claim_of_the_runs_as_one_table(tmp_path):
     runs = [ROOT / "benchmarks" / "results" / f"compare-equal-steps-{n}.json" for n in ("1500-c0125", "1500-c05")]
     doc = tmp_path / "benchmarks.md"
@@ -212,6 +211,7 @@ def test_compare_evidence_writes_every_loss_claim_of_the_runs_as_one_table(tmp_p
     for row, run in zip(rows, runs, strict=True):
         claim = json.loads(run.read_text())["claims"]["learned MoD routing val loss < random routing (mod_random)"]
         assert f"{claim['value']:+.3f}" in row and f"**{claim['verdict']}**" in row
+
 
 def test_bench_sampling_tiny_compares_target_values(tmp_path):
     overrides = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32", "train.batch_size=2"]
@@ -374,3 +374,27 @@ def test_soak_tiny(tmp_path):
     for r in rows.values():
         assert r["steps"] == 3 and r["all_finite"] and r["skipped"] == 0
     assert any(k.endswith("load_max") for k in rows["moe"]["health_last"])
+
+
+def test_routing_task_stream_answers_and_a_tiny_run(tmp_path):
+    """The synthetic routing task: the stream's answer after every marker is the payload before
+    it (checked on the generated ids), and a 20-step run of both MoD routings writes their
+    accuracies, routed shares and the paired claim."""
+    import numpy as np
+
+    from benchmarks.routing_task import MARKER, PAYLOAD, answers, make_stream
+
+    ids = make_stream(5_000, 0)
+    markers = np.flatnonzero(ids[:-1] == MARKER)
+    assert len(markers) > 50 and all(ids[m + 1] in PAYLOAD for m in markers)
+    import torch
+
+    x = torch.tensor([[70, 3, 4, MARKER, 70, 5, 71, 6, MARKER, 71, 7]])
+    mask, want = answers(x)
+    assert mask[0].nonzero().flatten().tolist() == [3, 8] and want[0, 3] == 70 and want[0, 8] == 71
+    payload = run_script("routing_task", ["--steps", "20", "--seeds", "2", "--kinds", "mod", "mod_random"], tmp_path)
+    result = payload["routing-task.json"]
+    assert {r["kind"] for r in result["rows"]} == {"mod", "mod_random"} and len(result["runs"]) == 4
+    assert all(0 <= r["answer_accuracy"] <= 1 and 0 < r["routed_filler"] < 1 for r in result["runs"])
+    (claim,) = result["claims"].values()
+    assert claim["n"] == 2 and claim["verdict"] in ("holds", "reversed", "not shown")
