@@ -16,8 +16,9 @@ Memory is bounded by ``chunk_chars``, not by the corpus: each file is read and e
 pieces of about that many characters, the ids go to a spill file beside the shards
 (``.ids.partial``, removed at the end; a leftover of a killed run is ours to remove), and the
 shards are copied from it once the split is known. A piece ends only where the tokenizer
-provably splits: after a line break between two non-space characters, and only where
-encoding a window of text around the cut gives the same ids as encoding its two sides apart
+splits anyway, as far as a window can show it: after a line break between two non-space
+characters, and only where encoding ``CUT_WINDOW`` characters each side of the cut gives the
+same ids as encoding its two sides apart
 (so a tokenizer that marks the start of every input, e.g. a prepended SentencePiece "▁",
 gets no cut: such a file is encoded whole, as before). The shards are the ids of encoding
 each file whole.
